@@ -1,0 +1,119 @@
+"""The Python API: load a target (and a draft) once, generate many times.
+
+from specdecode import Pipeline, SamplingParams, GenerationConfig
+pipe = Pipeline.load("path/to/target", draft="path/to/draft")
+result = pipe.generate("def fib(n):", SamplingParams(temperature=0), GenerationConfig(n_predict=64))
+print(result.text, result.stats.tokens_per_pass)
+for chunk in (run := pipe.stream("def fib(n):")):
+    print(chunk.text, end="")
+print(run.stats.format())
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from specdecode.backends import Backend
+from specdecode.backends.hf import HFBackend, LoadOptions
+from specdecode.chain import Chain
+from specdecode.errors import SpecdecodeError
+from specdecode.generate import Generation, GenerationConfig
+from specdecode.sampling import Sampler, SamplingParams
+from specdecode.stats import GenerationStats
+from specdecode.strategies import DraftModelConfig, SpecSetup, build_strategies
+from specdecode.vocab import VocabTranslator, vocab_difference
+
+
+@dataclass
+class Result:
+    text: str
+    tokens: list[int]
+    stats: GenerationStats
+
+
+class Pipeline:
+    """A target model, an optional draft model and the strategies to use with them."""
+
+    def __init__(
+        self,
+        target: Backend,
+        draft: Backend | None = None,
+        *,
+        spec_types: Sequence[str] | None = None,
+        draft_config: DraftModelConfig = DraftModelConfig(),
+        replacements: Sequence[tuple[str, str]] | None = None,
+    ) -> None:
+        """spec_types: enabled strategy names (None: "draft" when a draft is given, else none).
+        replacements: (target text, draft text) pairs; given (even empty), a draft whose
+        vocabulary differs is used through text translation instead of being refused."""
+        self.target = target
+        self.draft = draft
+        self.spec_types = list(spec_types) if spec_types is not None else (["draft"] if draft else [])
+        self.draft_config = draft_config
+        self.translator = self._translator(replacements)
+        if "draft" in self.spec_types and draft is None:
+            raise SpecdecodeError("--spec-type draft needs a draft model (-md DIR)")
+
+    @classmethod
+    def load(
+        cls,
+        model: str | Path,
+        draft: str | Path | None = None,
+        *,
+        target_options: LoadOptions = LoadOptions(),
+        draft_options: LoadOptions = LoadOptions(),
+        **kwargs,
+    ) -> Pipeline:
+        target = HFBackend.load(model, target_options)
+        draft_backend = HFBackend.load(draft, draft_options) if draft is not None else None
+        return cls(target, draft_backend, **kwargs)
+
+    def encode(self, prompt: str | Sequence[int]) -> list[int]:
+        return self.target.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+
+    def stream(
+        self,
+        prompt: str | Sequence[int],
+        sampling: SamplingParams = SamplingParams(),
+        config: GenerationConfig = GenerationConfig(),
+    ) -> Generation:
+        """A generation to iterate for chunks; its tokens, text and stats are complete after."""
+        sampler = Sampler(sampling)
+        setup = SpecSetup(
+            target=self.target,
+            sampling=sampling,
+            verify=config.verify,
+            seed=sampler.seed,
+            draft_backend=self.draft,
+            draft=self.draft_config,
+            translator=self.translator,
+        )
+        chain = Chain(build_strategies(self.spec_types, setup))
+        return Generation(self.target, chain, sampler, config, self.encode(prompt))
+
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        sampling: SamplingParams = SamplingParams(),
+        config: GenerationConfig = GenerationConfig(),
+    ) -> Result:
+        run = self.stream(prompt, sampling, config)
+        for _ in run:
+            pass
+        return Result(run.text, run.tokens, run.stats)
+
+    def _translator(self, replacements: Sequence[tuple[str, str]] | None) -> VocabTranslator | None:
+        if self.draft is None:
+            return None
+        difference = vocab_difference(self.target, self.draft)
+        if difference is None:
+            return None
+        if replacements is None:
+            raise SpecdecodeError(
+                f"the draft model's vocabulary does not match the target's: {difference}. "
+                "Use a draft trained with the target's tokenizer, or ask for translation through text "
+                "with --spec-replace TARGET DRAFT."
+            )
+        return VocabTranslator(self.target, self.draft, replacements)

@@ -1,0 +1,78 @@
+"""Model backends: what the generation loop and the strategies need from a model, and no more.
+
+A backend owns one model, its tokenizer and one KV cache. The cache holds `tokens` (the ids
+evaluated so far, in order); `evaluate` appends new tokens after them and returns logits for
+every new row, so a verify step scores [last, d0, ..., d(k-1)] in one forward pass.
+Rolling back is `truncate(n)`: a length change, never a re-evaluation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class VocabInfo:
+    """Facts about a vocabulary that speculation depends on (llama.cpp's compatibility inputs)."""
+
+    size: int  # rows of the logits, V
+    kind: str  # "bpe" (byte-level BPE), "spm" (BPE with byte fallback), "ugm", "wpm", "word"
+    bos_id: int | None
+    eos_id: int | None
+    add_bos: bool
+    add_eos: bool
+    eog_ids: frozenset[int] = field(default_factory=frozenset)  # ids that end generation
+
+
+class Backend(Protocol):
+    """A causal LM with a KV cache that can be rolled back to any length."""
+
+    vocab: VocabInfo
+    n_ctx: int  # positions the cache may hold
+
+    @property
+    def tokens(self) -> list[int]:
+        """Ids currently in the KV cache (positions 0..n-1). Callers must not mutate it."""
+        ...
+
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]: ...
+
+    def detokenize(self, ids: Sequence[int], skip_special: bool = True) -> str: ...
+
+    def token_text(self, token_id: int) -> str:
+        """The vocabulary entry of an id, as stored (no decoding); "" past the tokenizer's end."""
+        ...
+
+    def evaluate(self, ids: Sequence[int], logits_rows: int | None = None) -> torch.Tensor:
+        """Append `ids` at positions len(tokens)... and return logits [T, V] for the last
+        `logits_rows` rows (all rows when None). Long inputs are processed in chunks."""
+        ...
+
+    def truncate(self, n: int) -> None:
+        """Keep the first n cached positions and forget the rest."""
+        ...
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two id sequences."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def evaluate_continuation(backend: Backend, ids: Sequence[int]) -> torch.Tensor:
+    """Make the cache hold exactly `ids` and return the logits [V] after its last token.
+
+    Reuses the longest cached prefix, so only tokens the backend has not seen are evaluated
+    (the last one is re-evaluated when everything was cached, since its logits are needed).
+    """
+    assert len(ids) > 0, "need at least one token"
+    keep = min(common_prefix(backend.tokens, ids), len(ids) - 1)
+    backend.truncate(keep)
+    return backend.evaluate(ids[keep:], logits_rows=1)[0]

@@ -1,0 +1,218 @@
+"""The `specdecode` command: thin argparse front ends that build configs and call the API.
+
+Flags follow llama.cpp's names. Every user mistake ends with one `error:` line and exit
+status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from transformers.utils import logging as hf_logging
+
+from specdecode import bench
+from specdecode.api import Pipeline
+from specdecode.backends.hf import DTYPES, LoadOptions
+from specdecode.errors import SpecdecodeError
+from specdecode.generate import GenerationConfig
+from specdecode.sampling import SamplingParams
+from specdecode.strategies import AVAILABLE, DraftModelConfig, parse_spec_types
+from specdecode.verify import VERIFY_MODES
+
+STRATEGY_HELP = {
+    "none": "no speculation: plain generation, one target pass per token",
+    "draft": "a small draft model (-md) of the same vocabulary proposes up to --draft-max tokens",
+}
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("models")
+    group.add_argument("-m", "--model", type=Path, help="target model: a local Hugging Face directory")
+    group.add_argument(
+        "-md", "--model-draft", type=Path, help="draft model directory (enables --spec-type draft)"
+    )
+    group.add_argument("-c", "--ctx-size", type=int, default=0, help="target context size (0: the model's)")
+    group.add_argument(
+        "-cd", "--ctx-size-draft", type=int, default=0, help="draft context size (0: the model's)"
+    )
+    group.add_argument("-b", "--batch-size", type=int, default=512, help="prompt tokens per forward pass")
+    group.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    group.add_argument("--device-draft", help="device of the draft (default: --device)")
+    group.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help="target weights dtype")
+    group.add_argument("--dtype-draft", default="auto", choices=["auto", *DTYPES], help="draft weights dtype")
+    group.add_argument("-t", "--threads", type=int, help="CPU threads for the target")
+    group.add_argument("-td", "--threads-draft", type=int, help="CPU threads for the draft (default: -t)")
+
+
+def add_spec_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("speculation")
+    strategies = "; ".join(f"{name}: {STRATEGY_HELP[name]}" for name in ("none", *AVAILABLE))
+    group.add_argument("--spec-type", help=f"comma-separated strategies, tried cheapest first. {strategies}")
+    group.add_argument(
+        "--draft-max", "--spec-draft-n-max", type=int, default=16, help="max draft tokens (16)"
+    )
+    group.add_argument(
+        "--draft-min", "--spec-draft-n-min", type=int, default=0, help="drop drafts shorter than this (0)"
+    )
+    group.add_argument(
+        "--draft-p-min",
+        "--spec-draft-p-min",
+        type=float,
+        default=0.75,
+        help="stop drafting when the draft's top-1 probability is below this (0.75)",
+    )
+    group.add_argument(
+        "--verify",
+        choices=VERIFY_MODES,
+        default="match",
+        help="match: sample the target and keep equal draft tokens (same output as plain "
+        "generation for a seed); rejection: speculative sampling, accepts more at temp > 0",
+    )
+    group.add_argument(
+        "--spec-replace",
+        nargs=2,
+        action="append",
+        metavar=("TARGET", "DRAFT"),
+        help="use a draft with another vocabulary through text, replacing TARGET by DRAFT",
+    )
+
+
+def add_sampling_args(parser: argparse.ArgumentParser, temperature: float) -> None:
+    d = SamplingParams()
+    group = parser.add_argument_group("sampling")
+    group.add_argument(
+        "--temp", type=float, default=temperature, help=f"temperature, <= 0 greedy ({temperature})"
+    )
+    group.add_argument("--top-k", type=int, default=d.top_k, help=f"top-k, 0 off ({d.top_k})")
+    group.add_argument("--top-p", type=float, default=d.top_p, help=f"top-p, 1 off ({d.top_p})")
+    group.add_argument("--min-p", type=float, default=d.min_p, help=f"min-p, 0 off ({d.min_p})")
+    group.add_argument("--repeat-penalty", type=float, default=d.repeat_penalty, help="1 off (1.0)")
+    group.add_argument(
+        "--repeat-last-n", type=int, default=d.repeat_last_n, help="penalty window, -1 all (64)"
+    )
+    group.add_argument("--presence-penalty", type=float, default=0.0, help="0 off")
+    group.add_argument("--frequency-penalty", type=float, default=0.0, help="0 off")
+    group.add_argument("-s", "--seed", type=int, help="random seed (default: random, printed in the stats)")
+
+
+def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        temperature=args.temp,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        repeat_penalty=args.repeat_penalty,
+        repeat_last_n=args.repeat_last_n,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        seed=args.seed,
+    )
+
+
+def pipeline_from_args(args: argparse.Namespace) -> Pipeline:
+    if args.model is None:
+        raise SpecdecodeError("no target model given: pass -m DIR (a local Hugging Face model directory)")
+    spec_types = parse_spec_types(args.spec_type) if args.spec_type is not None else None
+    target_options = LoadOptions(args.device, args.dtype, args.threads, args.ctx_size, args.batch_size)
+    draft_options = LoadOptions(
+        args.device_draft or args.device,
+        args.dtype_draft,
+        args.threads_draft or args.threads,
+        args.ctx_size_draft,
+        args.batch_size,
+    )
+    needs_draft = spec_types is None or "draft" in spec_types
+    return Pipeline.load(
+        args.model,
+        args.model_draft if needs_draft else None,
+        target_options=target_options,
+        draft_options=draft_options,
+        spec_types=spec_types,
+        draft_config=DraftModelConfig(args.draft_max, args.draft_min, args.draft_p_min),
+        replacements=[tuple(pair) for pair in args.spec_replace] if args.spec_replace else None,
+    )
+
+
+def read_prompt(args: argparse.Namespace) -> str:
+    if args.file is not None:
+        try:
+            return Path(args.file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise SpecdecodeError(f"cannot read the prompt file {args.file}: {exc}") from None
+    if args.prompt is None:
+        raise SpecdecodeError("no prompt: pass -p TEXT or -f FILE")
+    return args.prompt
+
+
+def run_generate(args: argparse.Namespace) -> None:
+    prompt = read_prompt(args)
+    pipeline = pipeline_from_args(args)
+    config = GenerationConfig(args.n_predict, tuple(args.stop or ()), args.verify, args.ignore_eos)
+    run = pipeline.stream(prompt, sampling_from_args(args), config)
+    for chunk in run:
+        if args.stream and not args.json:
+            print(chunk.text, end="", flush=True)
+    if args.json:
+        print(json.dumps({"text": run.text, "tokens": run.tokens, "stats": run.stats.to_dict()}))
+        return
+    if not args.stream:
+        print(run.text, end="")
+    print(flush=True)
+    if run.stats.stop_reason == "context":
+        print(f"note: stopped because the context is full (-c {pipeline.target.n_ctx})", file=sys.stderr)
+    print(f"\nseed {run.stats.seed}\n{run.stats.format()}", file=sys.stderr)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="specdecode", description="Speculative decoding: faster, identical output."
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    gen = commands.add_parser(
+        "generate",
+        help="generate a continuation of a prompt",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    gen.add_argument("-p", "--prompt", help="prompt text")
+    gen.add_argument("-f", "--file", help="read the prompt from a file")
+    gen.add_argument("-n", "--n-predict", type=int, default=128, help="tokens to generate, -1 until EOS")
+    gen.add_argument("--stop", action="append", help="stop when this text appears (repeatable)")
+    gen.add_argument(
+        "--ignore-eos", action="store_true", help="keep generating past end-of-generation tokens"
+    )
+    gen.add_argument("--stream", action="store_true", help="print text as tokens are accepted")
+    gen.add_argument("--json", action="store_true", help='print one JSON object {"text", "tokens", "stats"}')
+    add_model_args(gen)
+    add_spec_args(gen)
+    add_sampling_args(gen, temperature=SamplingParams().temperature)
+    gen.set_defaults(handler=run_generate)
+
+    ben = commands.add_parser("bench", help="plain vs speculative generation, interleaved, in one run")
+    bench.add_bench_args(ben)
+    add_model_args(ben)
+    add_spec_args(ben)
+    add_sampling_args(ben, temperature=0.0)
+    ben.set_defaults(handler=lambda args: bench.run(args, pipeline_from_args(args), sampling_from_args(args)))
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    hf_logging.disable_progress_bar()  # loading bars would bury the one line that matters
+    try:
+        args.handler(args)
+    except SpecdecodeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

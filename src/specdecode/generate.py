@@ -1,0 +1,171 @@
+"""The generation loop: draft -> verify in one target pass -> accept -> roll back -> repeat.
+
+The loop knows the target backend, a `Chain` of strategies and a `Sampler`; it never names
+a strategy. Plain generation is the same loop with an empty chain: every step then scores
+one token, so plain and speculative generation share every line that decides a token.
+
+State per step: `history` = ids in the target's cache, `last` = the newest token, not yet
+in it. A step evaluates [last, d0, ..., d(k-1)] at positions len(history)... and keeps
+positions < len(history) + 1 + n_accepted.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+from specdecode.backends import Backend, evaluate_continuation
+from specdecode.chain import Chain
+from specdecode.errors import SpecdecodeError
+from specdecode.sampling import Sampler
+from specdecode.stats import GenerationStats
+from specdecode.strategies import Draft
+from specdecode.text import TextAssembler
+from specdecode.verify import VERIFY_MODES, verify_match, verify_rejection
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    n_predict: int = 128  # -1: until end of generation or a full context
+    stop: tuple[str, ...] = ()
+    verify: str = "match"
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.verify not in VERIFY_MODES:
+            raise SpecdecodeError(
+                f"unknown verify mode {self.verify!r} (choose from {', '.join(VERIFY_MODES)})"
+            )
+        if self.n_predict == 0 or self.n_predict < -1:
+            raise SpecdecodeError("n_predict must be >= 1, or -1 for no limit")
+
+
+@dataclass
+class Chunk:
+    """What one step added: tokens (ids) and the text that became safe to show."""
+
+    tokens: list[int]
+    text: str
+    n_drafted: int = 0
+    n_accepted: int = 0
+    strategy: str | None = None
+
+
+@dataclass
+class Generation:
+    """One generation. Iterate it for `Chunk`s; afterwards read tokens, text and stats."""
+
+    target: Backend
+    chain: Chain
+    sampler: Sampler
+    config: GenerationConfig
+    prompt: list[int]
+    tokens: list[int] = field(default_factory=list)
+    stats: GenerationStats = field(default_factory=GenerationStats)
+
+    def __post_init__(self) -> None:
+        check_room(self.prompt, self.config.n_predict, self.target.n_ctx)
+        self._text = TextAssembler(self.target, self.config.stop)
+        self.stats.seed = self.sampler.seed
+        self.stats.n_prompt = len(self.prompt)
+        self.stats.strategies = self.chain.stats
+
+    @property
+    def text(self) -> str:
+        return self._text.text
+
+    def __iter__(self) -> Iterator[Chunk]:
+        start = time.perf_counter()
+        logits = evaluate_continuation(self.target, self.prompt)  # [V]
+        self.chain.begin(self.prompt)
+        self.stats.t_prompt = time.perf_counter() - start
+        history = list(self.prompt)
+        chunk = self._emit([self.sampler.sample(logits, history)], Draft(), 0)
+        yield chunk
+        while not self.stats.stop_reason:
+            yield self._step(history)
+        self.stats.t_generation = time.perf_counter() - start - self.stats.t_prompt
+        tail = self._text.finish()
+        if tail:
+            yield Chunk([], tail)
+
+    def _step(self, history: list[int]) -> Chunk:
+        """One draft -> verify -> accept round; extends `history` with the kept tokens."""
+        last = self.tokens[-1]
+        if len(history) + 1 > self.target.n_ctx:
+            self.stats.stop_reason = "context"
+            return Chunk([], "")
+        budget = min(self.target.n_ctx - len(history) - 1, self._remaining() - 1)
+        t0 = time.perf_counter()
+        draft = self.chain.draft(history, last, budget) if self.chain and budget > 0 else Draft()
+        t1 = time.perf_counter()
+        self.target.truncate(len(history))
+        logits = self.target.evaluate([last, *draft.tokens])  # [k+1, V]
+        emitted = self._verify(draft, logits, history)
+        self.stats.t_draft += t1 - t0
+        self.stats.t_verify += time.perf_counter() - t1
+        n_accepted = _leading_matches(emitted, draft.tokens)
+        history.append(last)
+        history.extend(draft.tokens[:n_accepted])
+        self.target.truncate(len(history))
+        self.chain.accept(len(draft.tokens), n_accepted)
+        self.stats.n_passes += 1
+        self.stats.n_step_tokens += len(emitted)
+        if draft.tokens:
+            self.stats.totals.record(len(draft.tokens), n_accepted)
+        return self._emit(emitted, draft, n_accepted)
+
+    def _verify(self, draft: Draft, logits, history: Sequence[int]) -> list[int]:
+        eog = frozenset() if self.config.ignore_eos else self.target.vocab.eog_ids
+        if self.config.verify == "rejection":
+            return verify_rejection(draft.tokens, draft.probs, logits, self.sampler, history, eog)
+        return verify_match(draft.tokens, logits, self.sampler, history, eog)
+
+    def _emit(self, emitted: list[int], draft: Draft, n_accepted: int) -> Chunk:
+        """Append tokens one by one, stopping exactly where plain generation would."""
+        kept: list[int] = []
+        text = ""
+        for token in emitted:
+            kept.append(token)
+            self.tokens.append(token)
+            self.stats.n_generated += 1
+            text += self._text.push(token)
+            self.stats.stop_reason = self._stop_reason(token)
+            if self.stats.stop_reason:
+                break
+        return Chunk(kept, text, len(draft.tokens), n_accepted, draft.strategy)
+
+    def _stop_reason(self, token: int) -> str:
+        if token in self.target.vocab.eog_ids and not self.config.ignore_eos:
+            return "eos"
+        if self._text.stopped:
+            return "stop string"
+        if self._remaining() <= 0:
+            return "n_predict"
+        return ""
+
+    def _remaining(self) -> int:
+        if self.config.n_predict < 0:
+            return self.target.n_ctx
+        return self.config.n_predict - len(self.tokens)
+
+
+def check_room(prompt: Sequence[int], n_predict: int, n_ctx: int) -> None:
+    """Refuse, before any work, a prompt that leaves no room for the requested tokens."""
+    if not prompt:
+        raise SpecdecodeError("the prompt is empty (it produced no tokens)")
+    if len(prompt) >= n_ctx:
+        raise SpecdecodeError(f"the prompt is {len(prompt)} tokens, but the context holds only {n_ctx}")
+    if n_predict > 0 and len(prompt) + n_predict > n_ctx:
+        raise SpecdecodeError(
+            f"prompt ({len(prompt)} tokens) + n_predict ({n_predict}) exceeds the context size ({n_ctx}); "
+            "lower -n or raise -c"
+        )
+
+
+def _leading_matches(emitted: Sequence[int], draft: Sequence[int]) -> int:
+    n = 0
+    while n < min(len(emitted), len(draft)) and emitted[n] == draft[n]:
+        n += 1
+    return n

@@ -1,0 +1,137 @@
+"""One sampler for plain and speculative generation alike.
+
+The transform follows llama.cpp's default chain: penalties -> top-k -> top-p -> min-p ->
+temperature -> draw. It is a pure function of (logits, history); the only state a
+`Sampler` holds is its random generator, and it takes exactly one uniform draw per token
+it samples. That is what lets `match` verification reproduce plain generation token for
+token at any temperature: both consume the same draws in the same order.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from specdecode.errors import SpecdecodeError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling settings; defaults are llama.cpp's. temperature <= 0 means greedy."""
+
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        checks = [
+            (math.isfinite(self.temperature), "temperature must be a finite number"),
+            (self.top_k >= 0, "top_k must be >= 0 (0 disables it)"),
+            (0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]"),
+            (0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]"),
+            (self.repeat_penalty > 0.0, "repeat_penalty must be > 0 (1 disables it)"),
+            (self.repeat_last_n >= -1, "repeat_last_n must be >= -1 (-1 = whole context)"),
+            (self.seed is None or self.seed >= 0, "seed must be >= 0"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise SpecdecodeError(message)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.repeat_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        ) and self.repeat_last_n != 0
+
+
+def apply_penalties(logits: torch.Tensor, params: SamplingParams, history: Sequence[int]) -> torch.Tensor:
+    """Repetition, presence and frequency penalties over the last `repeat_last_n` tokens.
+
+    logits: [V]. Returns a new tensor when a penalty applies, else `logits` itself.
+    """
+    if not params.has_penalties or not history:
+        return logits
+    window = history if params.repeat_last_n == -1 else history[-params.repeat_last_n :]
+    vocab = logits.shape[-1]
+    ids = torch.tensor([t for t in window if 0 <= t < vocab], dtype=torch.long)
+    counts = torch.bincount(ids, minlength=vocab).to(logits.dtype)  # [V]
+    seen = counts > 0
+    out = logits.clone()
+    if params.repeat_penalty != 1.0:
+        penalised = torch.where(out > 0, out / params.repeat_penalty, out * params.repeat_penalty)
+        out = torch.where(seen, penalised, out)
+    return out - counts * params.frequency_penalty - seen.to(out.dtype) * params.presence_penalty
+
+
+def greedy_token(logits: torch.Tensor, params: SamplingParams, history: Sequence[int]) -> int:
+    """Argmax after penalties (ties go to the lowest id)."""
+    return int(torch.argmax(apply_penalties(logits, params, history)))
+
+
+def distribution(logits: torch.Tensor, params: SamplingParams, history: Sequence[int]) -> torch.Tensor:
+    """The probabilities the sampler draws from: [V] float64, zero outside the kept candidates.
+
+    Greedy settings give a one-hot vector at the greedy token.
+    """
+    assert logits.ndim == 1, f"expected logits [V], got {tuple(logits.shape)}"
+    vocab = logits.shape[0]
+    out = torch.zeros(vocab, dtype=torch.float64)
+    if params.greedy:
+        out[greedy_token(logits, params, history)] = 1.0
+        return out
+    x = apply_penalties(logits, params, history).to(torch.float64)
+    k = params.top_k if 0 < params.top_k < vocab else vocab
+    values, ids = torch.topk(x, k)  # sorted, descending
+    keep = k
+    if params.top_p < 1.0:
+        cumulative = torch.cumsum(torch.softmax(values, dim=0), dim=0)
+        keep = min(
+            keep, int(torch.searchsorted(cumulative, torch.tensor([params.top_p], dtype=torch.float64))) + 1
+        )
+    if params.min_p > 0.0:
+        floor = values[0] + math.log(params.min_p)
+        keep = min(keep, max(1, int((values >= floor).sum())))
+    out[ids[:keep]] = torch.softmax(values[:keep] / params.temperature, dim=0)
+    return out
+
+
+class Sampler:
+    """Draws tokens with a seeded generator; one uniform draw per sampled token (none when greedy)."""
+
+    def __init__(self, params: SamplingParams) -> None:
+        self.params = params
+        self.seed = params.seed if params.seed is not None else int(np.random.SeedSequence().entropy % 2**32)
+        self._rng = np.random.default_rng(self.seed)
+
+    def uniform(self) -> float:
+        """One draw from U[0, 1)."""
+        return float(self._rng.random())
+
+    def draw(self, probs: torch.Tensor) -> int:
+        """Sample an id from probs [V] (need not be normalised) by inverse CDF, using one draw."""
+        cumulative = torch.cumsum(probs.to(torch.float64), dim=0)
+        target = torch.tensor([self.uniform() * float(cumulative[-1])], dtype=torch.float64)
+        index = int(torch.searchsorted(cumulative, target, right=True))
+        # searchsorted can land past the end only when the draw equals the total; keep the last
+        # token with non-zero mass.
+        return min(index, int(torch.nonzero(probs)[-1]))
+
+    def sample(self, logits: torch.Tensor, history: Sequence[int]) -> int:
+        """The next token for logits [V] after `history` (greedy takes no draw)."""
+        if self.params.greedy:
+            return greedy_token(logits, self.params, history)
+        return self.draw(distribution(logits, self.params, history))

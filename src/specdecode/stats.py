@@ -1,0 +1,136 @@
+"""Counters and timings of a generation, per strategy and in total.
+
+Returned with the output, never printed by the library: the CLI, the server and the
+benchmark all read the same `GenerationStats`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class DraftCounts:
+    """Drafted and accepted tokens, overall and by draft position."""
+
+    n_drafts: int = 0  # verified drafts
+    n_drafts_accepted: int = 0  # drafts with at least one token kept
+    n_drafted: int = 0
+    n_accepted: int = 0
+    drafted_per_pos: list[int] = field(default_factory=list)  # drafts reaching position i
+    accepted_per_pos: list[int] = field(default_factory=list)  # drafts whose token i was kept
+
+    def record(self, k: int, n_accepted: int) -> None:
+        self.n_drafts += 1
+        self.n_drafts_accepted += n_accepted > 0
+        self.n_drafted += k
+        self.n_accepted += n_accepted
+        for per_pos, upto in ((self.drafted_per_pos, k), (self.accepted_per_pos, n_accepted)):
+            per_pos.extend([0] * (upto - len(per_pos)))
+            for i in range(upto):
+                per_pos[i] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted draft tokens / drafted tokens."""
+        return self.n_accepted / self.n_drafted if self.n_drafted else 0.0
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        """P(token i kept | the draft reached position i)."""
+        return [
+            a / d if d else 0.0 for a, d in zip(self.accepted_per_pos, self.drafted_per_pos, strict=False)
+        ]
+
+
+@dataclass
+class StrategyStats:
+    """llama.cpp's per-implementation counters (§5.1), with times in seconds."""
+
+    name: str
+    n_call_begin: int = 0
+    n_call_draft: int = 0
+    n_call_accept: int = 0
+    n_gen_drafts: int = 0
+    n_gen_tokens: int = 0
+    counts: DraftCounts = field(default_factory=DraftCounts)
+    t_begin: float = 0.0
+    t_draft: float = 0.0
+    t_accept: float = 0.0
+
+
+@dataclass
+class GenerationStats:
+    n_prompt: int = 0
+    n_generated: int = 0
+    n_passes: int = 0  # target forward passes after the prompt (one per step)
+    n_step_tokens: int = 0  # tokens those passes emitted
+    totals: DraftCounts = field(default_factory=DraftCounts)
+    t_prompt: float = 0.0  # prompt evaluation
+    t_generation: float = 0.0  # everything after it
+    t_draft: float = 0.0
+    t_verify: float = 0.0  # target passes + verification sampling
+    stop_reason: str = ""
+    seed: int | None = None
+    strategies: list[StrategyStats] = field(default_factory=list)
+
+    @property
+    def tokens_per_pass(self) -> float:
+        """Mean tokens emitted per target pass (tau), the bonus or recovered token included."""
+        return self.n_step_tokens / self.n_passes if self.n_passes else 0.0
+
+    @property
+    def prompt_tokens_per_second(self) -> float:
+        return self.n_prompt / self.t_prompt if self.t_prompt > 0 else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.n_generated / self.t_generation if self.t_generation > 0 else 0.0
+
+    @property
+    def t_other(self) -> float:
+        return max(0.0, self.t_generation - self.t_draft - self.t_verify)
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out.update(
+            acceptance_rate=self.totals.acceptance_rate,
+            acceptance_by_position=self.totals.acceptance_by_position,
+            tokens_per_pass=self.tokens_per_pass,
+            prompt_tokens_per_second=self.prompt_tokens_per_second,
+            tokens_per_second=self.tokens_per_second,
+            t_other=self.t_other,
+        )
+        for strategy, data in zip(self.strategies, out["strategies"], strict=True):
+            data["acceptance_rate"] = strategy.counts.acceptance_rate
+        return out
+
+    def format(self) -> str:
+        """A readable block for the end of `specdecode generate`."""
+        t = self.totals
+        gen = self.t_generation or 1.0
+        lines = [
+            f"prompt      {self.n_prompt:6d} tokens  {self.t_prompt:8.3f} s  "
+            f"{self.prompt_tokens_per_second:9.2f} tokens/s",
+            f"generated   {self.n_generated:6d} tokens  {self.t_generation:8.3f} s  "
+            f"{self.tokens_per_second:9.2f} tokens/s   (stopped: {self.stop_reason})",
+            f"drafted     {t.n_drafted:6d} tokens, accepted {t.n_accepted} ({100 * t.acceptance_rate:.1f}%)",
+            f"target      {self.n_passes:6d} passes, {self.tokens_per_pass:.2f} tokens per pass",
+            f"time split  draft {100 * self.t_draft / gen:.1f}%  verify {100 * self.t_verify / gen:.1f}%  "
+            f"other {100 * self.t_other / gen:.1f}%",
+        ]
+        if t.drafted_per_pos:
+            rates = ", ".join(f"{r:.2f}" for r in t.acceptance_by_position[:16])
+            lines.append(f"acceptance by position  ({rates})")
+        lines.extend(_strategy_line(s) for s in self.strategies)
+        return "\n".join(lines)
+
+
+def _strategy_line(s: StrategyStats) -> str:
+    c = s.counts
+    return (
+        f"strategy {s.name:>12}: calls(b,d,a) = {s.n_call_begin} {s.n_call_draft} {s.n_call_accept}, "
+        f"drafts gen/acc = {s.n_gen_drafts}/{c.n_drafts_accepted}, tokens gen/acc = "
+        f"{s.n_gen_tokens}/{c.n_accepted} ({100 * c.acceptance_rate:.1f}%), "
+        f"time(b,d,a) = {1e3 * s.t_begin:.1f}, {1e3 * s.t_draft:.1f}, {1e3 * s.t_accept:.1f} ms"
+    )

@@ -1,0 +1,86 @@
+"""Strategies and how the chain builds them: names, priority and construction.
+
+PRIORITY is llama.cpp's fixed order, cheapest first; the chain instantiates the enabled
+strategies in this order whatever order they were named in. A strategy is built from a
+`SpecSetup`, which carries everything any strategy may need, so adding one never changes
+the loop or the chain.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+from specdecode.backends import Backend
+from specdecode.errors import SpecdecodeError
+from specdecode.sampling import Sampler, SamplingParams
+from specdecode.strategies.base import Draft, Strategy
+from specdecode.strategies.draft_model import DraftModelConfig, DraftModelStrategy
+from specdecode.vocab import VocabTranslator
+
+PRIORITY = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache", "draft", "eagle3")
+
+
+@dataclass(frozen=True)
+class SpecSetup:
+    """What strategies are built from for one generation."""
+
+    target: Backend
+    sampling: SamplingParams
+    verify: str = "match"
+    seed: int = 0
+    draft_backend: Backend | None = None
+    draft: DraftModelConfig = field(default_factory=DraftModelConfig)
+    translator: VocabTranslator | None = None
+
+
+def _build_draft_model(setup: SpecSetup) -> Strategy:
+    if setup.draft_backend is None:
+        raise SpecdecodeError("--spec-type draft needs a draft model (-md DIR)")
+    sampler = None
+    if setup.verify == "rejection":
+        # The draft samples from its own distribution with its own stream of draws.
+        sampler = Sampler(replace(setup.sampling, seed=(setup.seed + 1) % 2**32))
+    return DraftModelStrategy(
+        setup.draft_backend,
+        setup.draft,
+        target_vocab_size=setup.target.vocab.size,
+        translator=setup.translator,
+        sampler=sampler,
+    )
+
+
+FACTORIES: dict[str, Callable[[SpecSetup], Strategy]] = {
+    "draft": _build_draft_model,
+}
+AVAILABLE = tuple(name for name in PRIORITY if name in FACTORIES)
+
+
+def parse_spec_types(text: str) -> list[str]:
+    """A comma-separated list of strategy names -> the enabled names in priority order.
+
+    "none" anywhere disables speculation, as in llama.cpp.
+    """
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    for name in names:
+        if name != "none" and name not in FACTORIES:
+            raise SpecdecodeError(f"unknown --spec-type {name!r} (choose from: none, {', '.join(AVAILABLE)})")
+    if "none" in names:
+        return []
+    return [name for name in PRIORITY if name in names]
+
+
+def build_strategies(names: list[str], setup: SpecSetup) -> list[Strategy]:
+    return [FACTORIES[name](setup) for name in PRIORITY if name in names]
+
+
+__all__ = [
+    "AVAILABLE",
+    "PRIORITY",
+    "Draft",
+    "DraftModelConfig",
+    "SpecSetup",
+    "Strategy",
+    "build_strategies",
+    "parse_spec_types",
+]

@@ -1,0 +1,122 @@
+"""Draft-model strategy: a small LM of the same vocabulary proposes the continuation.
+
+llama.cpp's classic `draft` implementation: the draft keeps its own KV cache and reuses the
+longest prefix it already evaluated, drafts the argmax, and stops at the first position
+whose top-1 probability (softmax over the 10 largest logits, no temperature) is below p_min.
+For rejection verification it samples from its own distribution instead and reports it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from specdecode.backends import Backend, evaluate_continuation
+from specdecode.errors import SpecdecodeError
+from specdecode.sampling import Sampler, distribution
+from specdecode.strategies.base import Draft
+from specdecode.vocab import VocabTranslator
+
+CONFIDENCE_TOP_K = 10
+
+
+@dataclass(frozen=True)
+class DraftModelConfig:
+    """Classic llama.cpp defaults: n_max 16, n_min 0, p_min 0.75."""
+
+    n_max: int = 16
+    n_min: int = 0
+    p_min: float = 0.75
+
+    def __post_init__(self) -> None:
+        if self.n_max < 1:
+            raise SpecdecodeError("--draft-max must be >= 1")
+        if self.n_min < 0:
+            raise SpecdecodeError("--draft-min must be >= 0")
+        if not 0.0 <= self.p_min <= 1.0:
+            raise SpecdecodeError("--draft-p-min must be in [0, 1]")
+
+
+def top1_confidence(logits: torch.Tensor) -> float:
+    """Probability of the best token under a softmax over the 10 largest logits [V]."""
+    top = torch.topk(logits.to(torch.float64), min(CONFIDENCE_TOP_K, logits.shape[-1])).values
+    return float(torch.softmax(top, dim=0)[0])
+
+
+class DraftModelStrategy:
+    name: ClassVar[str] = "draft"
+
+    def __init__(
+        self,
+        backend: Backend,
+        config: DraftModelConfig,
+        *,
+        target_vocab_size: int,
+        translator: VocabTranslator | None = None,
+        sampler: Sampler | None = None,
+    ) -> None:
+        """sampler: given for rejection verification at temperature > 0 (draft by sampling)."""
+        self.backend = backend
+        self.config = config
+        self.n_min = config.n_min
+        self.target_vocab_size = target_vocab_size
+        self.translator = translator
+        self.sampler = sampler if sampler is not None and not sampler.params.greedy else None
+        self._window_start = 0
+
+    def begin(self, prompt: Sequence[int]) -> None:
+        self._window_start = 0
+
+    def accept(self, n_accepted: int) -> None:
+        """Nothing to do: the next draft call reuses whatever prefix of the cache still matches."""
+
+    def draft(self, history: Sequence[int], last: int, n_max: int) -> Draft:
+        n_max = min(n_max, self.config.n_max, self.backend.n_ctx - 1)
+        if n_max < 1:
+            return Draft()
+        context = self._draft_context(history, last, n_max)
+        logits = evaluate_continuation(self.backend, context)  # [V]
+        tokens: list[int] = []
+        rows: list[torch.Tensor] = []
+        while len(tokens) < n_max and top1_confidence(logits) >= self.config.p_min:
+            token, row = self._pick(logits, [*context, *tokens])
+            if self.translator is None and token >= self.target_vocab_size:
+                break  # the target cannot emit ids past its vocabulary
+            tokens.append(token)
+            rows.append(row)
+            if len(tokens) < n_max:
+                logits = self.backend.evaluate([token], logits_rows=1)[0]
+        return self._to_target(tokens, rows, n_max)
+
+    def _pick(self, logits: torch.Tensor, context: list[int]) -> tuple[int, torch.Tensor | None]:
+        if self.sampler is None:
+            return int(torch.argmax(logits)), None
+        probs = distribution(logits, self.sampler.params, context)  # [V]
+        return self.sampler.draw(probs), probs
+
+    def _draft_context(self, history: Sequence[int], last: int, n_max: int) -> list[int]:
+        """The draft's input: history + [last] in draft ids, cut to fit the draft's context.
+
+        When the input outgrows the room (n_ctx - n_max) the window jumps forward by half the
+        room, so the draft's cache is rebuilt once per half window rather than every step.
+        """
+        ids = [*history, last]
+        if self.translator is not None:
+            ids = self.translator.to_draft(ids)
+        room = self.backend.n_ctx - n_max
+        if len(ids) - self._window_start > room or self._window_start > len(ids):
+            self._window_start = max(0, len(ids) - max(1, room // 2))
+        return ids[self._window_start :]
+
+    def _to_target(self, tokens: list[int], rows: list[torch.Tensor | None], n_max: int) -> Draft:
+        if self.translator is not None:
+            # Probabilities over the draft's vocabulary do not carry over: verify as point masses.
+            tokens, probs = self.translator.to_target(tokens)[:n_max], None
+        else:
+            probs = torch.stack(rows) if tokens and self.sampler is not None else None  # [K, V]
+        if len(tokens) < self.n_min:
+            return Draft()
+        return Draft(tokens, probs)

@@ -1,0 +1,184 @@
+"""The `specdecode` command: output formats, the -md trap, the benchmark, and clear errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from specdecode.cli import main
+from specdecode.testing import make_llama, make_tokenizer, perturbed_copy, save_model
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory) -> tuple[Path, Path, Path]:
+    """Saved float64 target, a close draft, and a draft with a different vocabulary."""
+    root = tmp_path_factory.mktemp("cli-models")
+    tokenizer = make_tokenizer(320)
+    target = make_llama(len(tokenizer), init_std=0.5, seed=3)
+    other_tokenizer = make_tokenizer(300, text="completely different text " * 50 + "with other merges")
+    return (
+        save_model(root / "target", target, tokenizer),
+        save_model(root / "draft", perturbed_copy(target, 0.02), tokenizer),
+        save_model(root / "other", make_llama(len(other_tokenizer), seed=4), other_tokenizer),
+    )
+
+
+def run_json(capsys, *args: str) -> dict:
+    assert main(["generate", "--json", *args]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_json_output_equals_plain_generation(pair, capsys):
+    target, draft, _ = pair
+    common = ["-m", str(target), "-p", "def f(x):", "-n", "24", "--temp", "0", "--ignore-eos"]
+    plain = run_json(capsys, *common, "--spec-type", "none")
+    spec = run_json(capsys, *common, "-md", str(draft), "--draft-p-min", "0", "--draft-max", "6")
+    assert spec["tokens"] == plain["tokens"]
+    assert spec["text"] == plain["text"]
+    assert len(spec["tokens"]) == 24
+    stats = spec["stats"]
+    # -md without --spec-type enables the draft model (llama.cpp's silent trap avoided).
+    assert [s["name"] for s in stats["strategies"]] == ["draft"]
+    assert stats["totals"]["n_drafted"] > 0
+    assert stats["tokens_per_pass"] > 1.0
+    assert plain["stats"]["strategies"] == []
+
+
+def test_seeded_sampling_is_reproducible_and_matches_plain(pair, capsys):
+    target, draft, _ = pair
+    common = [
+        "-m",
+        str(target),
+        "-p",
+        "import os",
+        "-n",
+        "16",
+        "--temp",
+        "0.8",
+        "--seed",
+        "7",
+        "--ignore-eos",
+    ]
+    plain = run_json(capsys, *common, "--spec-type", "none")
+    spec = run_json(capsys, *common, "-md", str(draft), "--draft-p-min", "0")
+    assert spec["tokens"] == plain["tokens"]
+    assert spec["stats"]["seed"] == 7
+
+
+def test_plain_text_output_and_stats_block(pair, capsys):
+    target, draft, _ = pair
+    assert (
+        main(["generate", "-m", str(target), "-md", str(draft), "-p", "x = 1", "-n", "8", "--temp", "0"]) == 0
+    )
+    captured = capsys.readouterr()
+    assert "tokens per pass" in captured.err
+    assert "strategy        draft" in captured.err
+    assert captured.out.strip() != "" or "generated" in captured.err
+
+
+def test_stream_prints_the_same_text(pair, capsys):
+    target, draft, _ = pair
+    common = [
+        "-m",
+        str(target),
+        "-md",
+        str(draft),
+        "-p",
+        "def g():",
+        "-n",
+        "20",
+        "--temp",
+        "0",
+        "--ignore-eos",
+    ]
+    expected = run_json(capsys, *common)["text"]
+    assert main(["generate", "--stream", *common]) == 0
+    assert capsys.readouterr().out == expected + "\n"
+
+
+def test_prompt_file(pair, tmp_path, capsys):
+    target, _, _ = pair
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("class A:\n")
+    from_file = run_json(capsys, "-m", str(target), "-f", str(prompt), "-n", "5", "--temp", "0")
+    inline = run_json(capsys, "-m", str(target), "-p", "class A:\n", "-n", "5", "--temp", "0")
+    assert from_file["tokens"] == inline["tokens"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["-m", "{missing}", "-p", "x"], "model directory not found"),
+        (["-m", "{target}/config.json", "-p", "x"], "not a directory"),
+        (["-m", "{target}"], "no prompt"),
+        (["-m", "{target}", "-f", "{missing}"], "cannot read the prompt file"),
+        (["-m", "{target}", "-p", "x " * 300, "-c", "64"], "context"),
+        (["-m", "{target}", "-p", "x", "-n", "100", "-c", "32"], "exceeds the context size"),
+        (["-m", "{target}", "-p", "x", "--spec-type", "ngram-bogus"], "unknown --spec-type"),
+        (["-m", "{target}", "-p", "x", "--spec-type", "draft"], "needs a draft model"),
+        (["-m", "{target}", "-md", "{other}", "-p", "x"], "--spec-replace"),
+        (["-m", "{target}", "-p", "x", "--top-p", "0"], "top_p"),
+        (["-m", "{target}", "-p", "x", "--draft-max", "0", "-md", "{draft}"], "--draft-max"),
+        (["-m", "{target}", "-p", "x", "--device", "tpu"], "device"),
+        (["-p", "x"], "no target model"),
+    ],
+)
+def test_bad_input_exits_2_with_one_clear_line(pair, tmp_path, capsys, args, message):
+    target, draft, other = pair
+    paths = {"target": target, "draft": draft, "other": other, "missing": tmp_path / "nowhere"}
+    argv = ["generate", *(a.format(**paths) for a in args)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ")
+    assert message in err
+    assert "Traceback" not in err
+
+
+def test_translation_through_text_works_for_a_different_tokenizer(pair, capsys):
+    target, _, other = pair
+    common = ["-m", str(target), "-p", "def h(y):", "-n", "12", "--temp", "0", "--ignore-eos"]
+    plain = run_json(capsys, *common, "--spec-type", "none")
+    spec = run_json(capsys, *common, "-md", str(other), "--spec-replace", "    ", "\t", "--draft-p-min", "0")
+    assert spec["tokens"] == plain["tokens"]
+    assert spec["stats"]["totals"]["n_drafted"] > 0
+
+
+def test_bench_reports_identical_outputs_and_writes_json(pair, tmp_path, capsys):
+    target, draft, _ = pair
+    out = tmp_path / "bench.json"
+    argv = [
+        "bench",
+        "-m",
+        str(target),
+        "-md",
+        str(draft),
+        "--draft-p-min",
+        "0",
+        "-n",
+        "12",
+        "--runs",
+        "2",
+        "--warmup",
+        "0",
+        "-p",
+        "def f():",
+        "-p",
+        "x = [",
+        "--json",
+        str(out),
+    ]
+    assert main(argv) == 0
+    table = capsys.readouterr().out
+    assert "speed-up" in table and "NO" not in table
+    results = json.loads(out.read_text())
+    assert len(results) == 2
+    assert all(r["identical"] for r in results)
+    assert all(len(r["plain_tokens_per_second"]) == 2 for r in results)
+
+
+def test_bench_needs_speculation(pair, capsys):
+    target, _, _ = pair
+    assert main(["bench", "-m", str(target), "--spec-type", "none", "--runs", "1"]) == 2
+    assert "give -md" in capsys.readouterr().err
