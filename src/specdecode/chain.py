@@ -49,10 +49,11 @@ class Chain:
         return Draft()
 
     def accept(self, k: int, n_accepted: int) -> None:
-        """Report the verification of the last draft (k tokens, n_accepted kept)."""
+        """Report the verification of the last draft: k tokens, n_accepted kept (no-op without one)."""
         if self._last is None:
             return
         strategy, stats = self.strategies[self._last], self.stats[self._last]
+        self._last = None
         stats.counts.record(k, n_accepted)
         if n_accepted == 0:
             return  # classic API: accept(0) reaches no strategy

@@ -84,43 +84,43 @@ class Generation:
         chunk = self._emit([self.sampler.sample(logits, history)], Draft(), 0)
         yield chunk
         while not self.stats.stop_reason:
-            yield self._step(history)
+            chunk = self._step(history)
+            if chunk.tokens or chunk.text:
+                yield chunk
         self.stats.t_generation = time.perf_counter() - start - self.stats.t_prompt
-        tail = self._text.finish()
-        if tail:
-            yield Chunk([], tail)
 
     def _step(self, history: list[int]) -> Chunk:
         """One draft -> verify -> accept round; extends `history` with the kept tokens."""
         last = self.tokens[-1]
         if len(history) + 1 > self.target.n_ctx:
             self.stats.stop_reason = "context"
-            return Chunk([], "")
+            return Chunk([], self._text.finish())
         budget = min(self.target.n_ctx - len(history) - 1, self._remaining() - 1)
         t0 = time.perf_counter()
         draft = self.chain.draft(history, last, budget) if self.chain and budget > 0 else Draft()
         t1 = time.perf_counter()
         self.target.truncate(len(history))
         logits = self.target.evaluate([last, *draft.tokens])  # [k+1, V]
-        emitted = self._verify(draft, logits, history)
+        emitted = self._verify(draft, logits, [*history, last])
         self.stats.t_draft += t1 - t0
         self.stats.t_verify += time.perf_counter() - t1
         n_accepted = _leading_matches(emitted, draft.tokens)
         history.append(last)
         history.extend(draft.tokens[:n_accepted])
         self.target.truncate(len(history))
-        self.chain.accept(len(draft.tokens), n_accepted)
         self.stats.n_passes += 1
         self.stats.n_step_tokens += len(emitted)
         if draft.tokens:
+            self.chain.accept(len(draft.tokens), n_accepted)
             self.stats.totals.record(len(draft.tokens), n_accepted)
         return self._emit(emitted, draft, n_accepted)
 
-    def _verify(self, draft: Draft, logits, history: Sequence[int]) -> list[int]:
+    def _verify(self, draft: Draft, logits, context: Sequence[int]) -> list[int]:
+        """context: every token before the first verified position (history + [last])."""
         eog = frozenset() if self.config.ignore_eos else self.target.vocab.eog_ids
         if self.config.verify == "rejection":
-            return verify_rejection(draft.tokens, draft.probs, logits, self.sampler, history, eog)
-        return verify_match(draft.tokens, logits, self.sampler, history, eog)
+            return verify_rejection(draft.tokens, draft.probs, logits, self.sampler, context, eog)
+        return verify_match(draft.tokens, logits, self.sampler, context, eog)
 
     def _emit(self, emitted: list[int], draft: Draft, n_accepted: int) -> Chunk:
         """Append tokens one by one, stopping exactly where plain generation would."""
@@ -133,6 +133,7 @@ class Generation:
             text += self._text.push(token)
             self.stats.stop_reason = self._stop_reason(token)
             if self.stats.stop_reason:
+                text += self._text.finish()
                 break
         return Chunk(kept, text, len(draft.tokens), n_accepted, draft.strategy)
 

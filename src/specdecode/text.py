@@ -38,7 +38,12 @@ class TextAssembler:
         return self._release(final=False)
 
     def finish(self) -> str:
-        """The text still held back (a stop-string prefix that never completed)."""
+        """Flush at the end: text held back for a stop string, and the pieces that were waiting
+        for the rest of a UTF-8 character (shown as U+FFFD, as a full decode shows them)."""
+        if not self.stopped and self._read_offset < len(self.ids):
+            prefix = self.backend.detokenize(self.ids[self._prefix_offset : self._read_offset])
+            self._append(self.backend.detokenize(self.ids[self._prefix_offset :])[len(prefix) :])
+            self._prefix_offset = self._read_offset = len(self.ids)
         return self._release(final=True)
 
     def _append(self, new: str) -> None:

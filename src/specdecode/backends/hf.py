@@ -79,9 +79,18 @@ class HFBackend:
             torch.set_num_threads(options.threads)
         dtype = _resolve_dtype(options.dtype, config, device)
         try:
-            model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, local_files_only=True)
+            model, info = AutoModelForCausalLM.from_pretrained(
+                directory, dtype=dtype, local_files_only=True, output_loading_info=True
+            )
         except Exception as exc:  # transformers raises many types for unreadable weights
             raise SpecdecodeError(f"cannot read the weights in {directory}: {exc}") from None
+        if info["missing_keys"]:
+            # transformers would fill them with random values; refuse instead.
+            missing = sorted(info["missing_keys"])
+            raise SpecdecodeError(
+                f"the weights in {directory} do not fit its config: {len(missing)} tensors missing "
+                f"(e.g. {', '.join(missing[:3])})"
+            )
         return cls(
             model.to(device),
             tokenizer,
@@ -126,6 +135,8 @@ class HFBackend:
             logits = self._forward(ids[start:end], max(keep, 1))  # [1, max(keep,1), V]
             if keep > 0:
                 rows.append(logits[0, -keep:])
+        if not rows:
+            return torch.empty(0, self.vocab.size)
         out = torch.cat(rows) if len(rows) > 1 else rows[0]
         return out if out.dtype == torch.float64 else out.float().cpu()
 

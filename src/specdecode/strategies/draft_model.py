@@ -42,7 +42,7 @@ class DraftModelConfig:
 
 def top1_confidence(logits: torch.Tensor) -> float:
     """Probability of the best token under a softmax over the 10 largest logits [V]."""
-    top = torch.topk(logits.to(torch.float64), min(CONFIDENCE_TOP_K, logits.shape[-1])).values
+    top = torch.topk(logits, min(CONFIDENCE_TOP_K, logits.shape[-1])).values.to(torch.float64)
     return float(torch.softmax(top, dim=0)[0])
 
 

@@ -1,0 +1,222 @@
+"""Shared fixtures: tiny tokenizers, cached float64 Llama models and target/draft pairs.
+
+Models are cheap but not free, so every model is built once per session and looked up by
+its recipe (`functools.lru_cache`). Backends wrap a model with a fresh KV cache and are
+made per use (`ModelZoo.backend`), so tests never see each other's cache state.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import inspect
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
+
+from specdecode import HFBackend
+from specdecode.testing import make_llama, make_tokenizer, perturbed_copy, save_model, truncated_copy
+
+VOCAB_SIZE = 320
+OTHER_VOCAB_SIZE = 384
+INIT_STD = 0.5  # larger than make_llama's default: the default gives degenerate repeat-one-token models
+SHARPEN = 4.0  # lm_head scale: top-1 confidences above p_min = 0.75 become common
+
+# The models here are tiny: intra-op threads only add synchronisation, and on a busy machine
+# (2 cores shared with other jobs) OpenMP spinning makes a 24-token generation 20-40x slower.
+torch.set_num_threads(1)
+
+# Draft kinds: perturbed copies at these noise levels, or an unrelated model.
+NOISES = (0.0, 0.02, 0.1, 0.5)
+INDEPENDENT = "independent"
+
+
+# --------------------------------------------------------------------------- tokenizers
+
+
+@functools.cache
+def cached_tokenizer(vocab_size: int = VOCAB_SIZE, source: str = "textwrap", add_bos: bool = True):
+    """make_tokenizer trained on the source of a stdlib module ("textwrap" is the default text)."""
+    text = None if source == "textwrap" else inspect.getsource(difflib)
+    return make_tokenizer(vocab_size=vocab_size, text=text, add_bos=add_bos)
+
+
+@pytest.fixture(scope="session")
+def tokenizer() -> PreTrainedTokenizerFast:
+    return cached_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def other_tokenizer() -> PreTrainedTokenizerFast:
+    """Trained on different text with a different size: every id past the specials differs."""
+    return cached_tokenizer(OTHER_VOCAB_SIZE, "difflib")
+
+
+@pytest.fixture(scope="session")
+def other_text_tokenizer() -> PreTrainedTokenizerFast:
+    """Same size as `tokenizer`, trained on different text."""
+    return cached_tokenizer(VOCAB_SIZE, "difflib")
+
+
+@pytest.fixture(scope="session")
+def no_bos_tokenizer() -> PreTrainedTokenizerFast:
+    """`tokenizer`'s vocabulary without the BOS post-processor."""
+    return cached_tokenizer(VOCAB_SIZE, "textwrap", add_bos=False)
+
+
+# --------------------------------------------------------------------------- models
+
+
+def _sharpen(model: LlamaForCausalLM, factor: float) -> LlamaForCausalLM:
+    with torch.no_grad():
+        model.lm_head.weight.mul_(factor)
+    return model
+
+
+def _tie_eos(model: LlamaForCausalLM, vocab_size: int) -> LlamaForCausalLM:
+    """Make EOS (id 1) the greedy choice wherever the model's favourite token would be.
+
+    Its lm_head row becomes a copy of that token's row; the tie goes to the lower id (1),
+    so greedy traces end (or, with ignore_eos, pass through EOS) regularly.
+    """
+    favourites: Counter[int] = Counter()
+    with torch.no_grad():
+        for start in (3, 40, 90, 150, 200):
+            ids = torch.arange(start, start + 24).remainder(vocab_size - 3).add(3)[None]
+            favourites.update(model(input_ids=ids).logits[0].argmax(-1).tolist())
+        favourite = next(t for t, _ in favourites.most_common() if t > 2)
+        model.lm_head.weight[1] = model.lm_head.weight[favourite]
+    return model
+
+
+@dataclass(frozen=True)
+class TargetSpec:
+    seed: int = 0
+    hidden: int = 32
+    layers: int = 2
+    vocab_size: int = VOCAB_SIZE
+    eos_tie: bool = False
+    max_positions: int = 512
+
+
+@functools.cache
+def target_model(spec: TargetSpec) -> LlamaForCausalLM:
+    model = make_llama(
+        spec.vocab_size,
+        hidden=spec.hidden,
+        layers=spec.layers,
+        heads=4,
+        kv_heads=2,
+        init_std=INIT_STD,
+        seed=spec.seed,
+        max_positions=spec.max_positions,
+    )
+    _sharpen(model, SHARPEN)
+    if spec.eos_tie:
+        _tie_eos(model, spec.vocab_size)
+    return model
+
+
+@functools.cache
+def draft_model(spec: TargetSpec, kind: float | str, draft_seed: int = 1) -> LlamaForCausalLM:
+    """A draft for `target_model(spec)`: perturbed copy (kind = noise), an independent model
+    (kind = INDEPENDENT) or an early-exit copy (kind = "truncated:N")."""
+    target = target_model(spec)
+    if kind == INDEPENDENT:
+        return target_model(TargetSpec(1000 + draft_seed, spec.hidden, spec.layers, spec.vocab_size))
+    if isinstance(kind, str) and kind.startswith("truncated:"):
+        return truncated_copy(target, int(kind.split(":")[1]))
+    return perturbed_copy(target, float(kind), seed=draft_seed)
+
+
+@dataclass
+class ExactnessLog:
+    """What the exactness tests ran, for the terminal summary (and the report)."""
+
+    cases: Counter[str] = field(default_factory=Counter)
+    drafted: int = 0
+    accepted: int = 0
+    by_kind: dict[str, list[int]] = field(default_factory=dict)  # kind -> [drafted, accepted]
+    eos_stops: int = 0
+    accepting: int = 0  # cases where at least one draft token was accepted
+    rejecting: int = 0  # cases where at least one draft token was rejected
+
+    def record(self, test: str, kind: str, stats, stop_reason: str = "") -> None:
+        self.cases[test] += 1
+        self.drafted += stats.totals.n_drafted
+        self.accepted += stats.totals.n_accepted
+        entry = self.by_kind.setdefault(f"{test.split('/')[0]:<20} draft {kind}", [0, 0])
+        entry[0] += stats.totals.n_drafted
+        entry[1] += stats.totals.n_accepted
+        self.eos_stops += stop_reason == "eos"
+        self.accepting += stats.totals.n_accepted > 0
+        self.rejecting += stats.totals.n_drafted > stats.totals.n_accepted
+
+
+EXACTNESS_LOG = ExactnessLog()
+
+
+@pytest.fixture(scope="session")
+def exactness_log() -> ExactnessLog:
+    return EXACTNESS_LOG
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    log = EXACTNESS_LOG
+    if not log.cases:
+        return
+    total = sum(log.cases.values())
+    rate = log.accepted / log.drafted if log.drafted else 0.0
+    terminalreporter.write_sep("-", "speculative exactness cases")
+    terminalreporter.write_line(
+        f"{total} cases compared with plain generation; drafted {log.drafted}, accepted "
+        f"{log.accepted} ({100 * rate:.1f}%); {log.accepting} cases accepted drafts, "
+        f"{log.rejecting} rejected some; {log.eos_stops} ended at EOS"
+    )
+    for name, count in sorted(log.cases.items()):
+        terminalreporter.write_line(f"  {name}: {count}")
+    for kind, (drafted, accepted) in sorted(log.by_kind.items()):
+        share = accepted / drafted if drafted else 0.0
+        terminalreporter.write_line(f"  {kind:<40} {accepted:5d}/{drafted:<5d} accepted ({100 * share:.1f}%)")
+
+
+class ModelZoo:
+    """Cached models, fresh backends."""
+
+    TargetSpec = TargetSpec
+
+    def target(self, spec: TargetSpec | None = None) -> LlamaForCausalLM:
+        return target_model(spec or TargetSpec())
+
+    def draft(self, spec: TargetSpec, kind: float | str, draft_seed: int = 1) -> LlamaForCausalLM:
+        return draft_model(spec, kind, draft_seed)
+
+    def tokenizer(self, vocab_size: int = VOCAB_SIZE, source: str = "textwrap", add_bos: bool = True):
+        return cached_tokenizer(vocab_size, source, add_bos)
+
+    def backend(self, model: LlamaForCausalLM, tokenizer=None, **kwargs) -> HFBackend:
+        return HFBackend(model, tokenizer or cached_tokenizer(), **kwargs)
+
+    def pair(self, spec: TargetSpec, kind: float | str, *, draft_n_ctx: int = 0, target_n_ctx: int = 0):
+        """(target backend, draft backend), both fresh."""
+        tok = cached_tokenizer()
+        return (
+            HFBackend(target_model(spec), tok, n_ctx=target_n_ctx),
+            HFBackend(draft_model(spec, kind), tok, n_ctx=draft_n_ctx),
+        )
+
+
+@pytest.fixture(scope="session")
+def zoo() -> ModelZoo:
+    return ModelZoo()
+
+
+@pytest.fixture
+def saved_model_dir(tmp_path: Path, tokenizer) -> Path:
+    """A float64 model and its tokenizer saved as a Hugging Face directory."""
+    model = target_model(TargetSpec(seed=7, hidden=16, layers=1))
+    return save_model(tmp_path / "model", model, tokenizer)
