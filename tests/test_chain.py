@@ -51,6 +51,9 @@ class FakeStrategy:
     def accept(self, n_accepted: int) -> None:
         self.calls.append(("accept", n_accepted))
 
+    def end(self) -> None:
+        self.calls.append(("end",))
+
     def named(self, kind: str) -> list[tuple]:
         return [c for c in self.calls if c[0] == kind]
 
@@ -264,3 +267,19 @@ def test_draft_model_counters_add_up_to_the_totals(zoo, n_predict):
     result = pipe.generate(list(range(3, 20)), GREEDY, GenerationConfig(n_predict=n_predict, ignore_eos=True))
     assert result.stats.totals.n_accepted > 0
     check_counters_add_up(result.stats)
+
+
+def test_end_reaches_every_strategy_once_when_generation_stops(zoo):
+    spec = TargetSpec(seed=0, hidden=16, layers=1, eos_tie=False)
+    target = zoo.backend(zoo.target(spec))
+    first, second = FakeStrategy("first", propose=[]), FakeStrategy("second", propose=[5, 6])
+    generation = Generation(
+        target,
+        Chain([first, second]),
+        Sampler(SamplingParams(temperature=0)),
+        GenerationConfig(n_predict=6, ignore_eos=True),
+        [3, 4],
+    )
+    list(generation)
+    assert first.named("end") == [("end",)] and second.named("end") == [("end",)]
+    assert first.calls[-1] == ("end",) and second.calls[-1] == ("end",)

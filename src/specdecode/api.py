@@ -22,7 +22,7 @@ from specdecode.errors import SpecdecodeError
 from specdecode.generate import Generation, GenerationConfig
 from specdecode.sampling import Sampler, SamplingParams
 from specdecode.stats import GenerationStats
-from specdecode.strategies import DraftModelConfig, SpecSetup, build_strategies
+from specdecode.strategies import DraftModelConfig, NgramSettings, SharedState, SpecSetup, build_strategies
 from specdecode.vocab import VocabTranslator, vocab_difference
 
 
@@ -43,18 +43,23 @@ class Pipeline:
         *,
         spec_types: Sequence[str] | None = None,
         draft_config: DraftModelConfig = DraftModelConfig(),
+        ngram: NgramSettings = NgramSettings(),
         replacements: Sequence[tuple[str, str]] | None = None,
     ) -> None:
         """spec_types: enabled strategy names (None: "draft" when a draft is given, else none).
+        ngram: settings of the model-free strategies; their shared state (the ngram-mod pool,
+        the ngram-cache files) lives as long as the pipeline.
         replacements: (target text, draft text) pairs; given (even empty), a draft whose
         vocabulary differs is used through text translation instead of being refused."""
         self.target = target
         self.draft = draft
         self.spec_types = list(spec_types) if spec_types is not None else (["draft"] if draft else [])
         self.draft_config = draft_config
+        self.ngram = ngram
         self.translator = self._translator(replacements)
         if "draft" in self.spec_types and draft is None:
             raise SpecdecodeError("--spec-type draft needs a draft model (-md DIR)")
+        self.shared = SharedState(ngram, self.spec_types)
 
     @classmethod
     def load(
@@ -89,6 +94,8 @@ class Pipeline:
             draft_backend=self.draft,
             draft=self.draft_config,
             translator=self.translator,
+            ngram=self.ngram,
+            shared=self.shared,
         )
         chain = Chain(build_strategies(self.spec_types, setup))
         return Generation(self.target, chain, sampler, config, self.encode(prompt))

@@ -32,6 +32,11 @@ class Chain:
             stats.t_begin += time.perf_counter() - start
             stats.n_call_begin += 1
 
+    def end(self) -> None:
+        """The generation is over: let strategies persist what should outlive it."""
+        for strategy in self.strategies:
+            strategy.end()
+
     def draft(self, history: Sequence[int], last: int, n_max: int) -> Draft:
         """The first non-empty draft of at least n_min tokens, cut to n_max; empty if none."""
         self._last = None

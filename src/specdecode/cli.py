@@ -14,17 +14,29 @@ from pathlib import Path
 
 from transformers.utils import logging as hf_logging
 
-from specdecode import bench
+from specdecode import bench, bench_draft
 from specdecode.api import Pipeline
 from specdecode.backends.hf import DTYPES, LoadOptions
 from specdecode.errors import SpecdecodeError
 from specdecode.generate import GenerationConfig
 from specdecode.sampling import SamplingParams
-from specdecode.strategies import AVAILABLE, DraftModelConfig, parse_spec_types
+from specdecode.strategies import (
+    AVAILABLE,
+    DraftModelConfig,
+    NgramMapConfig,
+    NgramModConfig,
+    NgramSettings,
+    parse_spec_types,
+)
 from specdecode.verify import VERIFY_MODES
 
 STRATEGY_HELP = {
     "none": "no speculation: plain generation, one target pass per token",
+    "ngram-simple": "prompt lookup: copy what followed the latest earlier occurrence of the last n tokens",
+    "ngram-map-k": "ngram-simple through a hashed n-gram index; a key's drafts shrink to what was accepted",
+    "ngram-map-k4v": "ngram-map-k counting up to 4 continuations per n-gram; drafts only a dominant one",
+    "ngram-mod": "a hashed pool of n-gram -> next token shared by all generations; long drafts (48-64)",
+    "ngram-cache": "1- to 4-gram statistics of the context, a dynamic (-lcd) and a static (-lcs) cache file",
     "draft": "a small draft model (-md) of the same vocabulary proposes up to --draft-max tokens",
 }
 
@@ -50,20 +62,17 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
 
 def add_spec_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("speculation")
-    strategies = "; ".join(f"{name}: {STRATEGY_HELP[name]}" for name in ("none", *AVAILABLE))
-    group.add_argument("--spec-type", help=f"comma-separated strategies, tried cheapest first. {strategies}")
+    group.add_argument("--spec-type", help="comma-separated strategies, tried cheapest first (listed below)")
+    group.add_argument("--draft-max", "--spec-draft-n-max", type=int, default=16, help="max draft tokens")
     group.add_argument(
-        "--draft-max", "--spec-draft-n-max", type=int, default=16, help="max draft tokens (16)"
-    )
-    group.add_argument(
-        "--draft-min", "--spec-draft-n-min", type=int, default=0, help="drop drafts shorter than this (0)"
+        "--draft-min", "--spec-draft-n-min", type=int, default=0, help="drop drafts shorter than this"
     )
     group.add_argument(
         "--draft-p-min",
         "--spec-draft-p-min",
         type=float,
         default=0.75,
-        help="stop drafting when the draft's top-1 probability is below this (0.75)",
+        help="stop drafting when the draft's top-1 probability is below this",
     )
     group.add_argument(
         "--verify",
@@ -79,21 +88,51 @@ def add_spec_args(parser: argparse.ArgumentParser) -> None:
         metavar=("TARGET", "DRAFT"),
         help="use a draft with another vocabulary through text, replacing TARGET by DRAFT",
     )
+    add_ngram_args(parser)
+
+
+def add_ngram_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("model-free strategies (llama.cpp names and defaults)")
+    defaults = NgramSettings()
+    for name, config in (
+        ("simple", defaults.simple),
+        ("map-k", defaults.map_k),
+        ("map-k4v", defaults.map_k4v),
+    ):
+        flag = f"--spec-ngram-{name}"
+        group.add_argument(f"{flag}-size-n", type=int, default=config.size_n, help="tokens matched")
+        group.add_argument(f"{flag}-size-m", type=int, default=config.size_m, help="tokens drafted at most")
+        group.add_argument(
+            f"{flag}-min-hits", type=int, default=config.min_hits, help="hits before drafting (k4v)"
+        )
+    mod = defaults.mod
+    group.add_argument(
+        "--spec-ngram-mod-n-match", type=int, default=mod.n_match, help="ngram-mod: tokens hashed"
+    )
+    group.add_argument(
+        "--spec-ngram-mod-n-min", type=int, default=mod.n_min, help="ngram-mod: shortest draft"
+    )
+    group.add_argument("--spec-ngram-mod-n-max", type=int, default=mod.n_max, help="ngram-mod: longest draft")
+    group.add_argument(
+        "-lcs", "--lookup-cache-static", type=Path, help="ngram-cache: static cache file (read)"
+    )
+    group.add_argument(
+        "-lcd",
+        "--lookup-cache-dynamic",
+        type=Path,
+        help="ngram-cache: dynamic cache file (read, updated, saved after each generation)",
+    )
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, temperature: float) -> None:
     d = SamplingParams()
     group = parser.add_argument_group("sampling")
-    group.add_argument(
-        "--temp", type=float, default=temperature, help=f"temperature, <= 0 greedy ({temperature})"
-    )
-    group.add_argument("--top-k", type=int, default=d.top_k, help=f"top-k, 0 off ({d.top_k})")
-    group.add_argument("--top-p", type=float, default=d.top_p, help=f"top-p, 1 off ({d.top_p})")
-    group.add_argument("--min-p", type=float, default=d.min_p, help=f"min-p, 0 off ({d.min_p})")
-    group.add_argument("--repeat-penalty", type=float, default=d.repeat_penalty, help="1 off (1.0)")
-    group.add_argument(
-        "--repeat-last-n", type=int, default=d.repeat_last_n, help="penalty window, -1 all (64)"
-    )
+    group.add_argument("--temp", type=float, default=temperature, help="temperature, <= 0 greedy")
+    group.add_argument("--top-k", type=int, default=d.top_k, help="top-k, 0 off")
+    group.add_argument("--top-p", type=float, default=d.top_p, help="top-p, 1 off")
+    group.add_argument("--min-p", type=float, default=d.min_p, help="min-p, 0 off")
+    group.add_argument("--repeat-penalty", type=float, default=d.repeat_penalty, help="1 off")
+    group.add_argument("--repeat-last-n", type=int, default=d.repeat_last_n, help="penalty window, -1 all")
     group.add_argument("--presence-penalty", type=float, default=0.0, help="0 off")
     group.add_argument("--frequency-penalty", type=float, default=0.0, help="0 off")
     group.add_argument("-s", "--seed", type=int, help="random seed (default: random, printed in the stats)")
@@ -110,6 +149,21 @@ def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
         presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty,
         seed=args.seed,
+    )
+
+
+def ngram_from_args(args: argparse.Namespace) -> NgramSettings:
+    def map_config(name: str) -> NgramMapConfig:
+        prefix = f"spec_ngram_{name}_"
+        return NgramMapConfig(*(getattr(args, prefix + field) for field in ("size_n", "size_m", "min_hits")))
+
+    return NgramSettings(
+        simple=map_config("simple"),
+        map_k=map_config("map_k"),
+        map_k4v=map_config("map_k4v"),
+        mod=NgramModConfig(args.spec_ngram_mod_n_match, args.spec_ngram_mod_n_min, args.spec_ngram_mod_n_max),
+        cache_static=args.lookup_cache_static,
+        cache_dynamic=args.lookup_cache_dynamic,
     )
 
 
@@ -133,6 +187,7 @@ def pipeline_from_args(args: argparse.Namespace) -> Pipeline:
         draft_options=draft_options,
         spec_types=spec_types,
         draft_config=DraftModelConfig(args.draft_max, args.draft_min, args.draft_p_min),
+        ngram=ngram_from_args(args),
         replacements=[tuple(pair) for pair in args.spec_replace] if args.spec_replace else None,
     )
 
@@ -167,6 +222,15 @@ def run_generate(args: argparse.Namespace) -> None:
     print(f"\nseed {run.stats.seed}\n{run.stats.format()}", file=sys.stderr)
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults shown after each flag; the strategy list kept one line per strategy."""
+
+
+def strategies_epilog() -> str:
+    lines = [f"  {name:<14} {STRATEGY_HELP[name]}" for name in ("none", *AVAILABLE)]
+    return "strategies (--spec-type, any comma-separated combination):\n" + "\n".join(lines)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="specdecode", description="Speculative decoding: faster, identical output."
@@ -176,7 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen = commands.add_parser(
         "generate",
         help="generate a continuation of a prompt",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
+        epilog=strategies_epilog(),
     )
     gen.add_argument("-p", "--prompt", help="prompt text")
     gen.add_argument("-f", "--file", help="read the prompt from a file")
@@ -198,6 +263,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_spec_args(ben)
     add_sampling_args(ben, temperature=0.0)
     ben.set_defaults(handler=lambda args: bench.run(args, pipeline_from_args(args), sampling_from_args(args)))
+    speed = commands.add_parser(
+        "bench-draft", help="time the model-free strategies' drafting at a long history"
+    )
+    bench_draft.add_bench_draft_args(speed)
+    speed.set_defaults(handler=bench_draft.run)
     return parser
 
 

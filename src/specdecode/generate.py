@@ -88,6 +88,7 @@ class Generation:
             if chunk.tokens or chunk.text:
                 yield chunk
         self.stats.t_generation = time.perf_counter() - start - self.stats.t_prompt
+        self.chain.end()
 
     def _step(self, history: list[int]) -> Chunk:
         """One draft -> verify -> accept round; extends `history` with the kept tokens."""

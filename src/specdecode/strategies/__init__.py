@@ -10,32 +10,57 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from specdecode.backends import Backend
 from specdecode.errors import SpecdecodeError
 from specdecode.sampling import Sampler, SamplingParams
 from specdecode.strategies.base import Draft, Strategy
 from specdecode.strategies.draft_model import DraftModelConfig, DraftModelStrategy
+from specdecode.strategies.ngram_mod import NgramModConfig, NgramModPool, NgramModStrategy
+from specdecode.strategies.ngram_simple import NgramMapConfig, NgramSimpleStrategy
 from specdecode.vocab import VocabTranslator
 
 PRIORITY = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache", "draft", "eagle3")
 
 
 @dataclass(frozen=True)
+class NgramSettings:
+    """Settings of the model-free strategies (llama.cpp's defaults)."""
+
+    simple: NgramMapConfig = field(default_factory=NgramMapConfig)
+    map_k: NgramMapConfig = field(default_factory=NgramMapConfig)
+    map_k4v: NgramMapConfig = field(default_factory=NgramMapConfig)
+    mod: NgramModConfig = field(default_factory=NgramModConfig)
+    cache_static: Path | None = None  # -lcs: read once
+    cache_dynamic: Path | None = None  # -lcd: read once, updated and saved after each generation
+
+
+class SharedState:
+    """What outlives a generation and is shared by all of them: the ngram-mod pool and the
+    ngram-cache files. Loading happens here, once, so a bad file fails before any work."""
+
+    def __init__(self, settings: NgramSettings, names: list[str]) -> None:
+        self.mod_pool = NgramModPool(settings.mod.n_match) if "ngram-mod" in names else None
+
+
+@dataclass(frozen=True)
 class SpecSetup:
     """What strategies are built from for one generation."""
 
-    target: Backend
+    target: Backend | None  # None only where no strategy needs a model (drafting benchmarks)
     sampling: SamplingParams
     verify: str = "match"
     seed: int = 0
     draft_backend: Backend | None = None
     draft: DraftModelConfig = field(default_factory=DraftModelConfig)
     translator: VocabTranslator | None = None
+    ngram: NgramSettings = field(default_factory=NgramSettings)
+    shared: SharedState | None = None
 
 
 def _build_draft_model(setup: SpecSetup) -> Strategy:
-    if setup.draft_backend is None:
+    if setup.draft_backend is None or setup.target is None:
         raise SpecdecodeError("--spec-type draft needs a draft model (-md DIR)")
     sampler = None
     if setup.verify == "rejection":
@@ -50,9 +75,17 @@ def _build_draft_model(setup: SpecSetup) -> Strategy:
     )
 
 
+def _shared(setup: SpecSetup) -> SharedState:
+    assert setup.shared is not None, "n-gram strategies need the pipeline's SharedState"
+    return setup.shared
+
+
 FACTORIES: dict[str, Callable[[SpecSetup], Strategy]] = {
+    "ngram-simple": lambda setup: NgramSimpleStrategy(setup.ngram.simple),
+    "ngram-mod": lambda setup: NgramModStrategy(setup.ngram.mod, _shared(setup).mod_pool),
     "draft": _build_draft_model,
 }
+assert set(FACTORIES) <= set(PRIORITY), "every strategy needs its place in PRIORITY"
 AVAILABLE = tuple(name for name in PRIORITY if name in FACTORIES)
 
 
@@ -79,6 +112,10 @@ __all__ = [
     "PRIORITY",
     "Draft",
     "DraftModelConfig",
+    "NgramMapConfig",
+    "NgramModConfig",
+    "NgramSettings",
+    "SharedState",
     "SpecSetup",
     "Strategy",
     "build_strategies",

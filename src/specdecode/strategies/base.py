@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import ClassVar, Protocol
+from typing import Protocol
 
 import torch
 
@@ -36,10 +36,11 @@ class Strategy(Protocol):
       history is what the target's cache holds and `last` the newest token, not yet in it.
     - accept(n_accepted): how many of this strategy's last draft the target kept (> 0;
       the classic API never reports 0).
+    - end(): the generation is over; persist whatever should outlive it.
     The chain keeps the counters; strategies keep only the state their algorithm needs.
     """
 
-    name: ClassVar[str]
+    name: str  # the --spec-type name
     n_min: int  # drafts shorter than this are dropped and the next strategy is tried
 
     def begin(self, prompt: Sequence[int]) -> None: ...
@@ -47,3 +48,5 @@ class Strategy(Protocol):
     def draft(self, history: Sequence[int], last: int, n_max: int) -> Draft: ...
 
     def accept(self, n_accepted: int) -> None: ...
+
+    def end(self) -> None: ...

@@ -73,6 +73,9 @@ class DraftModelStrategy:
     def accept(self, n_accepted: int) -> None:
         """Nothing to do: the next draft call reuses whatever prefix of the cache still matches."""
 
+    def end(self) -> None:
+        """Nothing outlives the generation but the cache, which stays valid."""
+
     def draft(self, history: Sequence[int], last: int, n_max: int) -> Draft:
         n_max = min(n_max, self.config.n_max, self.backend.n_ctx - 1)
         if n_max < 1:
