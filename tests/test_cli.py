@@ -182,3 +182,31 @@ def test_bench_needs_speculation(pair, capsys):
     target, _, _ = pair
     assert main(["bench", "-m", str(target), "--spec-type", "none", "--runs", "1"]) == 2
     assert "give -md" in capsys.readouterr().err
+
+
+def test_lookup_caches_through_the_command_line(pair, tmp_path, capsys):
+    target, _, _ = pair
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("def f(x):\n    return x + 1\n" * 30)
+    static, dynamic = tmp_path / "static.bin", tmp_path / "dynamic.bin"
+    assert main(["lookup", "create", "-m", str(target), "-f", str(corpus), "-lcs", str(static)]) == 0
+    common = ["-m", str(target), "-p", "def f(x):\n    return", "-n", "30", "--temp", "0", "--ignore-eos"]
+    plain = run_json(capsys, *common, "--spec-type", "none")
+    cached = ["--spec-type", "ngram-cache", "-lcs", str(static), "-lcd", str(dynamic)]
+    spec = run_json(capsys, *common, *cached)
+    assert spec["tokens"] == plain["tokens"]
+    assert [s["name"] for s in spec["stats"]["strategies"]] == ["ngram-cache"]
+    saved = dynamic.read_bytes()
+    assert len(saved) > 0  # the context statistics were merged in and saved
+    again = run_json(capsys, *common, *cached)  # the second run reads and grows the dynamic cache
+    assert again["tokens"] == plain["tokens"]
+    assert len(dynamic.read_bytes()) >= len(saved)
+    assert (
+        main(["lookup", "stats", "-m", str(target), "-f", str(corpus), "-c", "64", "-lcs", str(static)]) == 0
+    )
+    assert "n_accept" in capsys.readouterr().out
+    static.write_bytes(static.read_bytes()[:-3])  # truncated: refused, the dynamic file untouched
+    before = dynamic.read_bytes()
+    assert main(["generate", *common, *cached]) == 2
+    assert "error: " in capsys.readouterr().err
+    assert dynamic.read_bytes() == before

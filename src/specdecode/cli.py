@@ -19,6 +19,7 @@ from specdecode.api import Pipeline
 from specdecode.backends.hf import DTYPES, LoadOptions
 from specdecode.errors import SpecdecodeError
 from specdecode.generate import GenerationConfig
+from specdecode.lookup import add_lookup_parser
 from specdecode.sampling import SamplingParams
 from specdecode.strategies import (
     AVAILABLE,
@@ -263,6 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_spec_args(ben)
     add_sampling_args(ben, temperature=0.0)
     ben.set_defaults(handler=lambda args: bench.run(args, pipeline_from_args(args), sampling_from_args(args)))
+    add_lookup_parser(commands)
     speed = commands.add_parser(
         "bench-draft", help="time the model-free strategies' drafting at a long history"
     )

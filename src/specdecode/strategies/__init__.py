@@ -17,6 +17,7 @@ from specdecode.errors import SpecdecodeError
 from specdecode.sampling import Sampler, SamplingParams
 from specdecode.strategies.base import Draft, Strategy
 from specdecode.strategies.draft_model import DraftModelConfig, DraftModelStrategy
+from specdecode.strategies.ngram_cache import NgramCache, NgramCacheStrategy, load
 from specdecode.strategies.ngram_mod import NgramModConfig, NgramModPool, NgramModStrategy
 from specdecode.strategies.ngram_simple import NgramMapConfig, NgramSimpleStrategy
 from specdecode.vocab import VocabTranslator
@@ -42,6 +43,12 @@ class SharedState:
 
     def __init__(self, settings: NgramSettings, names: list[str]) -> None:
         self.mod_pool = NgramModPool(settings.mod.n_match) if "ngram-mod" in names else None
+        uses_cache = "ngram-cache" in names
+        self.cache_static = load(settings.cache_static) if uses_cache and settings.cache_static else None
+        self.cache_dynamic: NgramCache | None = None
+        if uses_cache and settings.cache_dynamic:
+            path = settings.cache_dynamic
+            self.cache_dynamic = load(path) if path.exists() else {}  # absent: created at the end
 
 
 @dataclass(frozen=True)
@@ -83,6 +90,9 @@ def _shared(setup: SpecSetup) -> SharedState:
 FACTORIES: dict[str, Callable[[SpecSetup], Strategy]] = {
     "ngram-simple": lambda setup: NgramSimpleStrategy(setup.ngram.simple),
     "ngram-mod": lambda setup: NgramModStrategy(setup.ngram.mod, _shared(setup).mod_pool),
+    "ngram-cache": lambda setup: NgramCacheStrategy(
+        _shared(setup).cache_static, _shared(setup).cache_dynamic, setup.ngram.cache_dynamic
+    ),
     "draft": _build_draft_model,
 }
 assert set(FACTORIES) <= set(PRIORITY), "every strategy needs its place in PRIORITY"

@@ -1,0 +1,251 @@
+"""The n-gram cache tools of llama.cpp's lookup examples: create, merge and stats (§5.4, §7).
+
+- create (`llama-lookup-create`): the static cache of a corpus, every 2-gram and what
+  followed it. The tokens [0, 5, 6, 7, 5, 6, 8] (0 = BOS) give (0, 5) -> {6: 1},
+  (5, 6) -> {7: 1, 8: 1}, (6, 7) -> {5: 1} and (7, 5) -> {6: 1}.
+- merge (`llama-lookup-merge`): the sum of several cache files, written to another.
+- stats (`llama-lookup-stats`): how well ngram-cache drafts on a text, with no model.
+  The text is cut into chunks of n_ctx tokens; each chunk is replayed from its first
+  token as if generated: the caches draft up to n_draft tokens, drafted tokens are kept
+  while they equal the text's next tokens, then the text's next token is appended as the
+  target's own. The context cache starts empty for each chunk, learns every appended
+  token, and is added into the dynamic cache after the chunk.
+
+`add_lookup_parser` registers `specdecode lookup create|merge|stats`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from specdecode.errors import SpecdecodeError
+from specdecode.strategies.ngram_cache import (
+    NGRAM_MAX,
+    NGRAM_MIN,
+    NGRAM_STATIC,
+    NgramCache,
+    draft_tokens,
+    load,
+    merge,
+    save,
+    update,
+)
+
+
+@dataclass(frozen=True)
+class LookupStats:
+    """Counters of `stats`, named as llama-lookup-stats prints them; times in seconds."""
+
+    n_draft: int  # the draft length asked for
+    n_predict: int  # tokens replayed: n_ctx per simulated chunk
+    n_drafted: int
+    n_accept: int
+    t_draft_flat: float  # loading the caches (measured by the caller)
+    t_draft: float  # drafting and updating the context cache
+
+    @property
+    def accept_rate(self) -> float:
+        return _ratio(self.n_accept, self.n_drafted)
+
+
+def tokenize(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    """Ids as the model sees a prompt: BOS if its tokenizer adds one, special tokens parsed."""
+    return list(tokenizer(text, add_special_tokens=True, verbose=False)["input_ids"])
+
+
+def create(tokenizer: PreTrainedTokenizerBase, text: str) -> NgramCache:
+    """The static cache of a text: 2-grams only."""
+    tokens = tokenize(tokenizer, text)
+    cache: NgramCache = {}
+    update(cache, NGRAM_STATIC, NGRAM_STATIC, tokens, len(tokens))
+    return cache
+
+
+def merge_files(inputs: Sequence[Path], output: Path) -> NgramCache:
+    """Load inputs[0], add the counts of the others, save to `output`.
+
+    Every input is read before anything is written, so a bad input leaves `output` as it was.
+    """
+    if not inputs:
+        raise SpecdecodeError("lookup merge needs at least one input cache")
+    merged = load(inputs[0])
+    for path in inputs[1:]:
+        merge(merged, load(path))
+    save(merged, output)
+    return merged
+
+
+def stats(
+    tokens: Sequence[int],
+    n_ctx: int,
+    n_draft: int,
+    static: NgramCache | None = None,
+    dynamic: NgramCache | None = None,
+    t_draft_flat: float = 0.0,
+) -> LookupStats:
+    """Simulate ngram-cache drafting over `tokens` (see the module docstring).
+
+    Only chunks with more tokens after them are replayed (llama.cpp's
+    `i_start + n_ctx < n_input`). `dynamic` is updated in place with every chunk's context.
+    """
+    if n_ctx < 1 or n_draft < 0:
+        raise SpecdecodeError(f"lookup stats needs n_ctx >= 1 and n_draft >= 0 (got {n_ctx}, {n_draft})")
+    if len(tokens) <= n_ctx:
+        raise SpecdecodeError(
+            f"the text has {len(tokens)} tokens: lookup stats needs more than n_ctx = {n_ctx} "
+            "(a chunk is replayed only when tokens follow it)"
+        )
+    static = {} if static is None else static
+    dynamic = {} if dynamic is None else dynamic
+    n_drafted = n_accept = n_chunks = 0
+    t_draft = 0.0
+    for start in range(0, len(tokens) - n_ctx, n_ctx):
+        drafted, accepted, seconds = _replay_chunk(tokens[start : start + n_ctx], n_draft, static, dynamic)
+        n_drafted, n_accept, t_draft = n_drafted + drafted, n_accept + accepted, t_draft + seconds
+        n_chunks += 1
+    return LookupStats(n_draft, n_chunks * n_ctx, n_drafted, n_accept, t_draft_flat, t_draft)
+
+
+def _replay_chunk(
+    chunk: Sequence[int], n_draft: int, static: NgramCache, dynamic: NgramCache
+) -> tuple[int, int, float]:
+    """(drafted, accepted, seconds spent drafting and updating) for one chunk."""
+    context: NgramCache = {}
+    out = [chunk[0]]
+    drafted = accepted = 0
+    seconds = 0.0
+    while len(out) < len(chunk):
+        start = time.perf_counter()
+        draft = draft_tokens(out, n_draft, context, dynamic, static)
+        seconds += time.perf_counter() - start
+        drafted += len(draft)
+        for token in draft:
+            if len(out) == len(chunk) or token != chunk[len(out)]:
+                break
+            accepted += 1
+            seconds += _push(out, token, context)
+        if len(out) < len(chunk):  # the target's own token
+            seconds += _push(out, chunk[len(out)], context)
+    merge(dynamic, context)
+    return drafted, accepted, seconds
+
+
+def _push(out: list[int], token: int, context: NgramCache) -> float:
+    """Append a token and count the n-grams it ends; the seconds the update took."""
+    out.append(token)
+    start = time.perf_counter()
+    update(context, NGRAM_MIN, NGRAM_MAX, out, 1)
+    return time.perf_counter() - start
+
+
+def _ratio(a: float, b: float) -> float:
+    """a / b with C float semantics for b == 0 (nan or inf), as llama.cpp prints them."""
+    if b:
+        return a / b
+    return float("nan") if a == 0 else float("inf")
+
+
+def format_stats(result: LookupStats) -> str:
+    """The summary lines of llama-lookup-stats (names padded to 12 characters)."""
+    us = result.t_draft * 1e6
+    fields = (
+        ("n_draft", f"{result.n_draft}"),
+        ("n_predict", f"{result.n_predict}"),
+        ("n_drafted", f"{result.n_drafted}"),
+        ("t_draft_flat", f"{result.t_draft_flat * 1e3:.2f} ms"),
+        (
+            "t_draft",
+            f"{result.t_draft * 1e3:.2f} ms, {_ratio(us, result.n_drafted):.2f} us per token, "
+            f"{_ratio(result.n_drafted, us * 1e-6):.2f} tokens per second",
+        ),
+        ("n_accept", f"{result.n_accept}"),
+        ("accept", f"{100 * result.accept_rate:.3f}%"),
+    )
+    return "\n".join(f"{name:<12} = {value}" for name, value in fields)
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def load_tokenizer(directory: Path) -> PreTrainedTokenizerBase:
+    """The tokenizer of a local model directory: all the lookup tools need from a model."""
+    if not directory.is_dir():
+        raise SpecdecodeError(f"model directory {directory} does not exist")
+    try:
+        return AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    except Exception as exc:  # missing or broken files surface as OSError, ValueError, TypeError...
+        raise SpecdecodeError(f"cannot load the tokenizer in {directory}: {exc}") from None
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SpecdecodeError(f"cannot read the text file {path}: {exc}") from None
+
+
+def _run_create(args: argparse.Namespace) -> None:
+    cache = create(load_tokenizer(args.model), _read_text(args.file))
+    if not cache:
+        raise SpecdecodeError(f"{args.file} is too short: fewer than 3 tokens, so no 2-gram has a follower")
+    save(cache, args.lookup_cache_static)
+    print(f"{len(cache)} 2-grams -> {args.lookup_cache_static}", file=sys.stderr)
+
+
+def _run_merge(args: argparse.Namespace) -> None:
+    if len(args.files) < 2:
+        raise SpecdecodeError("lookup merge needs input caches and then the output: IN [IN ...] OUT")
+    *inputs, output = args.files
+    merged = merge_files(inputs, output)
+    print(f"{len(inputs)} caches, {len(merged)} n-grams -> {output}", file=sys.stderr)
+
+
+def _run_stats(args: argparse.Namespace) -> None:
+    tokens = tokenize(load_tokenizer(args.model), _read_text(args.file))
+    start = time.perf_counter()
+    static = load(args.lookup_cache_static) if args.lookup_cache_static else None
+    dynamic = None
+    if args.lookup_cache_dynamic and args.lookup_cache_dynamic.exists():  # absent: start empty
+        dynamic = load(args.lookup_cache_dynamic)
+    loaded = time.perf_counter() - start
+    print(format_stats(stats(tokens, args.ctx_size, args.draft_max, static, dynamic, t_draft_flat=loaded)))
+
+
+def add_lookup_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register `lookup create|merge|stats`; each sets `handler` (called by cli.main)."""
+    lookup = subparsers.add_parser("lookup", help="n-gram cache files for --spec-type ngram-cache")
+    tools = lookup.add_subparsers(dest="lookup_command", required=True)
+    model_help = "model directory (only its tokenizer is read)"
+
+    create_p = tools.add_parser("create", help="static cache of a text corpus (2-grams)")
+    create_p.add_argument("-m", "--model", type=Path, required=True, help=model_help)
+    create_p.add_argument("-f", "--file", type=Path, required=True, help="the text corpus")
+    create_p.add_argument("-lcs", "--lookup-cache-static", type=Path, required=True, help="output cache file")
+    create_p.set_defaults(handler=_run_create)
+
+    merge_p = tools.add_parser("merge", help="add the counts of cache files: IN [IN ...] OUT")
+    merge_p.add_argument("files", nargs="+", type=Path, metavar="FILE", help="input caches, then the output")
+    merge_p.set_defaults(handler=_run_merge)
+
+    stats_p = tools.add_parser(
+        "stats",
+        help="simulated ngram-cache drafting on a text, no model run",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    stats_p.add_argument("-m", "--model", type=Path, required=True, help=model_help)
+    stats_p.add_argument("-f", "--file", type=Path, required=True, help="the text to replay")
+    stats_p.add_argument("-c", "--ctx-size", type=int, default=512, help="tokens per replayed chunk")
+    stats_p.add_argument("--draft-max", "--spec-draft-n-max", type=int, default=16, help="draft length")
+    stats_p.add_argument("-lcs", "--lookup-cache-static", type=Path, help="static cache file")
+    stats_p.add_argument(
+        "-lcd", "--lookup-cache-dynamic", type=Path, help="dynamic cache file (absent: start empty)"
+    )
+    stats_p.set_defaults(handler=_run_stats)
+    return lookup
