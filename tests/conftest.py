@@ -18,7 +18,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
-from specdecode import HFBackend
+from specdecode import HFBackend, Sampler, SamplingParams
 from specdecode.testing import make_llama, make_tokenizer, perturbed_copy, save_model, truncated_copy
 
 VOCAB_SIZE = 320
@@ -220,3 +220,15 @@ def saved_model_dir(tmp_path: Path, tokenizer) -> Path:
     """A float64 model and its tokenizer saved as a Hugging Face directory."""
     model = target_model(TargetSpec(seed=7, hidden=16, layers=1))
     return save_model(tmp_path / "model", model, tokenizer)
+
+
+class CountingSampler(Sampler):
+    """A Sampler that counts its uniform draws (one per sampled token is the contract)."""
+
+    def __init__(self, p: SamplingParams) -> None:
+        super().__init__(p)
+        self.n_uniform = 0
+
+    def uniform(self) -> float:
+        self.n_uniform += 1
+        return super().uniform()

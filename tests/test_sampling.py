@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from conftest import CountingSampler
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats
@@ -331,16 +332,6 @@ def test_distribution_is_a_normalised_truncation(
 
 
 # --------------------------------------------------------------------------- Sampler
-
-
-class CountingSampler(Sampler):
-    def __init__(self, p: SamplingParams) -> None:
-        super().__init__(p)
-        self.n_uniform = 0
-
-    def uniform(self) -> float:
-        self.n_uniform += 1
-        return super().uniform()
 
 
 class FixedSampler(Sampler):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import CountingSampler
 
 from specdecode.sampling import Sampler, SamplingParams, distribution
 from specdecode.verify import verify_match, verify_rejection
@@ -27,16 +28,6 @@ def spelled(tokens: list[int], vocab: int = V, runner_up: int | None = None) -> 
 
 def random_rows(n: int, vocab: int = V, seed: int = 0, scale: float = 1.5) -> torch.Tensor:
     return scale * torch.randn(n, vocab, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-
-
-class CountingSampler(Sampler):
-    def __init__(self, p: SamplingParams) -> None:
-        super().__init__(p)
-        self.n_uniform = 0
-
-    def uniform(self) -> float:
-        self.n_uniform += 1
-        return super().uniform()
 
 
 # --------------------------------------------------------------------------- greedy match

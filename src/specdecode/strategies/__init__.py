@@ -18,6 +18,7 @@ from specdecode.sampling import Sampler, SamplingParams
 from specdecode.strategies.base import Draft, Strategy
 from specdecode.strategies.draft_model import DraftModelConfig, DraftModelStrategy
 from specdecode.strategies.ngram_cache import NgramCache, NgramCacheStrategy, load
+from specdecode.strategies.ngram_map import NgramMapStrategy
 from specdecode.strategies.ngram_mod import NgramModConfig, NgramModPool, NgramModStrategy
 from specdecode.strategies.ngram_simple import NgramMapConfig, NgramSimpleStrategy
 from specdecode.vocab import VocabTranslator
@@ -89,6 +90,9 @@ def _shared(setup: SpecSetup) -> SharedState:
 
 FACTORIES: dict[str, Callable[[SpecSetup], Strategy]] = {
     "ngram-simple": lambda setup: NgramSimpleStrategy(setup.ngram.simple),
+    "ngram-map-k": lambda setup: NgramMapStrategy(setup.ngram.map_k, key_only=True),
+    # Classic llama.cpp built k4v from the map-k settings (a bug); its own flags apply here.
+    "ngram-map-k4v": lambda setup: NgramMapStrategy(setup.ngram.map_k4v, key_only=False),
     "ngram-mod": lambda setup: NgramModStrategy(setup.ngram.mod, _shared(setup).mod_pool),
     "ngram-cache": lambda setup: NgramCacheStrategy(
         _shared(setup).cache_static, _shared(setup).cache_dynamic, setup.ngram.cache_dynamic
