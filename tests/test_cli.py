@@ -74,7 +74,7 @@ def test_plain_text_output_and_stats_block(pair, capsys):
     )
     captured = capsys.readouterr()
     assert "tokens per pass" in captured.err
-    assert "strategy        draft" in captured.err
+    assert "strategy            draft:" in captured.err
     assert captured.out.strip() != "" or "generated" in captured.err
 
 

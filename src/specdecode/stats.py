@@ -129,7 +129,7 @@ class GenerationStats:
 def _strategy_line(s: StrategyStats) -> str:
     c = s.counts
     return (
-        f"strategy {s.name:>12}: calls(b,d,a) = {s.n_call_begin} {s.n_call_draft} {s.n_call_accept}, "
+        f"strategy {s.name:>16}: calls(b,d,a) = {s.n_call_begin} {s.n_call_draft} {s.n_call_accept}, "
         f"drafts gen/acc = {s.n_gen_drafts}/{c.n_drafts_accepted}, tokens gen/acc = "
         f"{s.n_gen_tokens}/{c.n_accepted} ({100 * c.acceptance_rate:.1f}%), "
         f"time(b,d,a) = {1e3 * s.t_begin:.1f}, {1e3 * s.t_draft:.1f}, {1e3 * s.t_accept:.1f} ms"
