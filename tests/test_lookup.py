@@ -171,7 +171,7 @@ def test_merge_command(tmp_path, capsys):
 def test_command_errors_are_clear(model_dir, tmp_path):
     text = tmp_path / "text.txt"
     text.write_text("short", encoding="utf-8")
-    with pytest.raises(SpecdecodeError, match="does not exist"):
+    with pytest.raises(SpecdecodeError, match="model directory not found"):
         run("create", "-m", tmp_path / "nope", "-f", text, "-lcs", tmp_path / "s.bin")
     with pytest.raises(SpecdecodeError, match="cannot load the tokenizer"):
         run("create", "-m", tmp_path, "-f", text, "-lcs", tmp_path / "s.bin")

@@ -23,8 +23,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
+from specdecode.backends.hf import load_tokenizer
 from specdecode.errors import SpecdecodeError
 from specdecode.strategies.ngram_cache import (
     NGRAM_MAX,
@@ -172,16 +173,6 @@ def format_stats(result: LookupStats) -> str:
 
 
 # --------------------------------------------------------------------------- command line
-
-
-def load_tokenizer(directory: Path) -> PreTrainedTokenizerBase:
-    """The tokenizer of a local model directory: all the lookup tools need from a model."""
-    if not directory.is_dir():
-        raise SpecdecodeError(f"model directory {directory} does not exist")
-    try:
-        return AutoTokenizer.from_pretrained(directory, local_files_only=True)
-    except Exception as exc:  # missing or broken files surface as OSError, ValueError, TypeError...
-        raise SpecdecodeError(f"cannot load the tokenizer in {directory}: {exc}") from None
 
 
 def _read_text(path: Path) -> str:

@@ -74,7 +74,7 @@ class HFBackend:
         directory = _check_directory(Path(path))
         device = _check_device(options.device)
         config = _load_config(directory)
-        tokenizer = _load_tokenizer(directory)
+        tokenizer = load_tokenizer(directory)
         if options.threads:
             torch.set_num_threads(options.threads)
         dtype = _resolve_dtype(options.dtype, config, device)
@@ -202,7 +202,11 @@ def _load_config(directory: Path):
     return config
 
 
-def _load_tokenizer(directory: Path) -> PreTrainedTokenizerBase:
+def load_tokenizer(directory: str | Path) -> PreTrainedTokenizerBase:
+    """The tokenizer of a local model directory (all that tools like `lookup` need of a model)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise SpecdecodeError(f"model directory not found: {directory}")
     try:
         tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
     except Exception as exc:  # missing files surface as OSError, ValueError or TypeError
