@@ -29,6 +29,8 @@ from specdecode.strategies import (
     NgramSettings,
     parse_spec_types,
 )
+from specdecode.train.commands import add_train_parser
+from specdecode.train.evaluate import add_eval_parser
 from specdecode.verify import VERIFY_MODES
 
 STRATEGY_HELP = {
@@ -265,6 +267,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(ben, temperature=0.0)
     ben.set_defaults(handler=lambda args: bench.run(args, pipeline_from_args(args), sampling_from_args(args)))
     add_lookup_parser(commands)
+    add_train_parser(commands)
+    add_eval_parser(commands)
     speed = commands.add_parser(
         "bench-draft", help="time the model-free strategies' drafting at a long history"
     )

@@ -14,11 +14,11 @@ import textwrap
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from transformers.utils import logging as hf_logging
 
-SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>")  # ids 0, 1, 2
+from specdecode.train.tokenizer import build_tokenizer
+
 DEMO_DEEP_LAYER_SCALE = 0.03
 DEMO_HEAD_SCALE = 40.0
 
@@ -31,24 +31,8 @@ def sample_text() -> str:
 def make_tokenizer(
     vocab_size: int = 320, text: str | None = None, add_bos: bool = True
 ) -> PreTrainedTokenizerFast:
-    """A byte-level BPE tokenizer with <|bos|>=0, <|eos|>=1, <|pad|>=2."""
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator([text or sample_text()], trainer)
-    if add_bos:
-        tokenizer.post_processor = processors.TemplateProcessing(
-            single="<|bos|> $A", special_tokens=[("<|bos|>", 0)]
-        )
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<|pad|>"
-    )
+    """A byte-level BPE tokenizer with <|bos|>=0, <|eos|>=1, <|pad|>=2, trained on `text`."""
+    return build_tokenizer([text or sample_text()], vocab_size, add_bos)
 
 
 def make_llama(

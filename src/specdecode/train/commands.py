@@ -1,0 +1,109 @@
+"""`specdecode train tokenizer|target|draft`: the command line over the training modules.
+
+The default corpus is the Python standard library's train split (see `corpus`); `--data`
+trains on your own text or code instead (a file, or a directory of files). Token streams
+are encoded once and kept beside the output (`tokens-train.npy`), so a resumed run does not
+encode again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+import numpy as np
+from transformers import PreTrainedTokenizerBase
+
+from specdecode.backends.hf import load_tokenizer
+from specdecode.errors import SpecdecodeError
+from specdecode.train.corpus import corpus_files, encode_files, split_files, stdlib_root
+from specdecode.train.lm import DRAFT_SHAPE, TARGET_SHAPE, TrainConfig, train_draft, train_target
+from specdecode.train.tokenizer import train_tokenizer
+
+TOKENS_FILE = "tokens-train.npy"
+
+
+def data_files(data: Path | None) -> list[Path]:
+    """--data (a file or a directory of files), or the standard library's train split."""
+    if data is None:
+        root = stdlib_root()
+        return split_files(corpus_files(root), root)[0]
+    if data.is_file():
+        return [data]
+    if data.is_dir():
+        files = sorted(p for p in data.rglob("*") if p.is_file())
+        if files:
+            return files
+    raise SpecdecodeError(f"no training data at {data} (give a text file or a directory of files)")
+
+
+def training_tokens(tokenizer: PreTrainedTokenizerBase, args: argparse.Namespace) -> np.ndarray:
+    """The encoded corpus, cached in the output directory."""
+    cache = args.out / TOKENS_FILE
+    if cache.exists():
+        return np.load(cache)
+    tokens = encode_files(tokenizer, data_files(args.data))
+    args.out.mkdir(parents=True, exist_ok=True)
+    np.save(cache, tokens)
+    print(f"corpus: {len(tokens):,} tokens", file=sys.stderr)
+    return tokens
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    given = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if getattr(args, f.name) is not None}
+    return TrainConfig(**given)
+
+
+def run_tokenizer(args: argparse.Namespace) -> None:
+    out = train_tokenizer(args.out, args.vocab_size, data_files(args.data) if args.data else None)
+    print(f"tokenizer -> {out}", file=sys.stderr)
+
+
+def run_target(args: argparse.Namespace) -> None:
+    tokenizer = load_tokenizer(args.tokenizer)
+    out = train_target(
+        training_tokens(tokenizer, args), tokenizer, args.out, TARGET_SHAPE, config_from_args(args)
+    )
+    print(f"target -> {out}", file=sys.stderr)
+
+
+def run_draft(args: argparse.Namespace) -> None:
+    tokenizer = load_tokenizer(args.target)
+    out = train_draft(
+        training_tokens(tokenizer, args), args.target, args.out, DRAFT_SHAPE, config_from_args(args)
+    )
+    print(f"draft -> {out}", file=sys.stderr)
+
+
+def add_training_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("training (defaults: TrainConfig)")
+    group.add_argument("--data", type=Path, help="a text file or a directory of files (default: the stdlib)")
+    for field in fields(TrainConfig):
+        flag = "--" + field.name.replace("_", "-")
+        kind = int if field.default is None else type(field.default)  # None: optional int (threads)
+        group.add_argument(flag, type=kind, help=f"default {field.default}")
+
+
+def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
+    train = subparsers.add_parser("train", help="train a tokenizer, a target, or a draft for any target")
+    commands = train.add_subparsers(dest="train_command", required=True)
+
+    tok = commands.add_parser("tokenizer", help="byte-level BPE on the corpus")
+    tok.add_argument("--out", type=Path, required=True, help="output directory (Hugging Face format)")
+    tok.add_argument("--vocab-size", type=int, default=8192)
+    tok.add_argument("--data", type=Path, help="a text file or a directory of files (default: the stdlib)")
+    tok.set_defaults(handler=run_tokenizer)
+
+    target = commands.add_parser("target", help="a Llama target from scratch (resumes from --out)")
+    target.add_argument("--tokenizer", type=Path, required=True, help="tokenizer directory")
+    target.add_argument("--out", type=Path, required=True, help="output model directory")
+    add_training_args(target)
+    target.set_defaults(handler=run_target)
+
+    draft = commands.add_parser("draft", help="distill a small draft from any local target (resumes)")
+    draft.add_argument("--target", type=Path, required=True, help="target model directory")
+    draft.add_argument("--out", type=Path, required=True, help="output model directory")
+    add_training_args(draft)
+    draft.set_defaults(handler=run_draft)
