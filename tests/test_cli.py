@@ -210,3 +210,30 @@ def test_lookup_caches_through_the_command_line(pair, tmp_path, capsys):
     assert main(["generate", *common, *cached]) == 2
     assert "error: " in capsys.readouterr().err
     assert dynamic.read_bytes() == before
+
+
+def test_bundled_pair_is_used_without_m(pair, tmp_path, monkeypatch, capsys):
+    import shutil
+
+    import specdecode.defaults
+
+    target, draft, _ = pair
+    models = tmp_path / "models"
+    shutil.copytree(target, models / "target")
+    shutil.copytree(draft, models / "draft")
+    monkeypatch.setattr(specdecode.defaults, "BUNDLED", models)
+    bundled = run_json(capsys, "-p", "def f(x):", "-n", "10", "--temp", "0", "--draft-p-min", "0")
+    explicit = run_json(
+        capsys, "-m", str(target), "-p", "def f(x):", "-n", "10", "--temp", "0", "--spec-type", "none"
+    )
+    assert bundled["tokens"] == explicit["tokens"]
+    assert [s["name"] for s in bundled["stats"]["strategies"]] == ["draft"]
+
+
+def test_missing_bundled_pair_says_how_to_get_one(tmp_path, monkeypatch, capsys):
+    import specdecode.defaults
+
+    monkeypatch.setattr(specdecode.defaults, "BUNDLED", tmp_path / "none")
+    assert main(["generate", "-p", "x"]) == 2
+    err = capsys.readouterr().err
+    assert "no default model pair" in err and "specdecode train" in err

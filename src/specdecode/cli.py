@@ -17,6 +17,7 @@ from transformers.utils import logging as hf_logging
 from specdecode import bench, bench_draft
 from specdecode.api import Pipeline
 from specdecode.backends.hf import DTYPES, LoadOptions
+from specdecode.defaults import bundled_pair
 from specdecode.errors import SpecdecodeError
 from specdecode.generate import GenerationConfig
 from specdecode.lookup import add_lookup_parser
@@ -46,7 +47,12 @@ STRATEGY_HELP = {
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("models")
-    group.add_argument("-m", "--model", type=Path, help="target model: a local Hugging Face directory")
+    group.add_argument(
+        "-m",
+        "--model",
+        type=Path,
+        help="target model: a local Hugging Face directory (default: the bundled pair)",
+    )
     group.add_argument(
         "-md", "--model-draft", type=Path, help="draft model directory (enables --spec-type draft)"
     )
@@ -172,7 +178,8 @@ def ngram_from_args(args: argparse.Namespace) -> NgramSettings:
 
 def pipeline_from_args(args: argparse.Namespace) -> Pipeline:
     if args.model is None:
-        raise SpecdecodeError("no target model given: pass -m DIR (a local Hugging Face model directory)")
+        args.model, bundled_draft = bundled_pair()
+        args.model_draft = args.model_draft or bundled_draft  # the bundled draft fits only its target
     spec_types = parse_spec_types(args.spec_type) if args.spec_type is not None else None
     target_options = LoadOptions(args.device, args.dtype, args.threads, args.ctx_size, args.batch_size)
     draft_options = LoadOptions(

@@ -21,6 +21,7 @@ import torch
 
 from specdecode.api import Pipeline
 from specdecode.backends.hf import HFBackend
+from specdecode.defaults import bundled_pair
 from specdecode.errors import SpecdecodeError
 from specdecode.generate import GenerationConfig
 from specdecode.sampling import SamplingParams
@@ -117,7 +118,7 @@ def add_eval_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
         help="perplexity and draft acceptance on the held-out split of the corpus",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("-m", "--model", type=Path, required=True, help="target model directory")
+    parser.add_argument("-m", "--model", type=Path, help="target model directory (default: the bundled pair)")
     parser.add_argument("-md", "--model-draft", type=Path, help="draft model directory (adds acceptance)")
     parser.add_argument("--draft-max", type=int, default=8, help="max draft tokens")
     parser.add_argument("--draft-p-min", type=float, default=0.75, help="draft confidence to keep drafting")
@@ -132,6 +133,9 @@ def add_eval_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
 
 
 def run_eval(args: argparse.Namespace) -> None:
+    if args.model is None:
+        args.model, bundled_draft = bundled_pair()
+        args.model_draft = args.model_draft or bundled_draft
     target = HFBackend.load(args.model)
     draft = HFBackend.load(args.model_draft) if args.model_draft is not None else None
     config = DraftModelConfig(args.draft_max, p_min=args.draft_p_min)
