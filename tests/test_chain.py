@@ -283,3 +283,23 @@ def test_end_reaches_every_strategy_once_when_generation_stops(zoo):
     list(generation)
     assert first.named("end") == [("end",)] and second.named("end") == [("end",)]
     assert first.calls[-1] == ("end",) and second.calls[-1] == ("end",)
+
+
+def test_end_runs_when_the_consumer_stops_early(zoo):
+    spec = TargetSpec(seed=0, hidden=16, layers=1, eos_tie=False)
+    target = zoo.backend(zoo.target(spec))
+    strategy = FakeStrategy("only", propose=[5, 6])
+    generation = Generation(
+        target,
+        Chain([strategy]),
+        Sampler(SamplingParams(temperature=0)),
+        GenerationConfig(n_predict=30, ignore_eos=True),
+        [3, 4],
+    )
+    chunks = iter(generation)
+    next(chunks)
+    next(chunks)
+    chunks.close()  # what a server does when its client disconnects
+    assert strategy.named("end") == [("end",)]
+    assert generation.stats.stop_reason == "abandoned"
+    assert generation.stats.t_generation > 0

@@ -81,14 +81,16 @@ class Generation:
         self.chain.begin(self.prompt)
         self.stats.t_prompt = time.perf_counter() - start
         history = list(self.prompt)
-        chunk = self._emit([self.sampler.sample(logits, history)], Draft(), 0)
-        yield chunk
-        while not self.stats.stop_reason:
-            chunk = self._step(history)
-            if chunk.tokens or chunk.text:
-                yield chunk
-        self.stats.t_generation = time.perf_counter() - start - self.stats.t_prompt
-        self.chain.end()
+        try:
+            yield self._emit([self.sampler.sample(logits, history)], Draft(), 0)
+            while not self.stats.stop_reason:
+                chunk = self._step(history)
+                if chunk.tokens or chunk.text:
+                    yield chunk
+        finally:  # also when the consumer stops early (a client gone): strategies still persist
+            self.stats.t_generation = time.perf_counter() - start - self.stats.t_prompt
+            self.stats.stop_reason = self.stats.stop_reason or "abandoned"
+            self.chain.end()
 
     def _step(self, history: list[int]) -> Chunk:
         """One draft -> verify -> accept round; extends `history` with the kept tokens."""
