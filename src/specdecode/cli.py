@@ -276,11 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_lookup_parser(commands)
     add_train_parser(commands)
     add_eval_parser(commands)
-    speed = commands.add_parser(
-        "bench-draft", help="time the model-free strategies' drafting at a long history"
-    )
-    bench_draft.add_bench_draft_args(speed)
-    speed.set_defaults(handler=bench_draft.run)
+    bench_draft.add_bench_draft_parser(commands)
     return parser
 
 

@@ -262,16 +262,18 @@ def _train_loop(
             model_state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
             _save_checkpoint(path, {"identity": identity, "step": step + 1, "losses": losses, **model_state})
     bar.close()
-    seconds = time.perf_counter() - began
-    rate = (
-        (config.steps - start) * config.batch_size * config.seq_len / seconds if start < config.steps else 0
-    )
+    return _run_log(identity, config, start, losses, time.perf_counter() - began)
+
+
+def _run_log(identity: dict, config: TrainConfig, start: int, losses: list[float], seconds: float) -> dict:
+    """What train_log.json records: the per-step losses of the whole run and this run's speed."""
+    trained = (config.steps - start) * config.batch_size * config.seq_len
     return {
         "kind": identity["kind"],
         "steps": config.steps,
         "resumed_from": start,
         "losses": losses,
-        "tokens_per_second": rate,
+        "tokens_per_second": trained / seconds if start < config.steps else 0,
     }
 
 
