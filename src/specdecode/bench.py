@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from specdecode.api import Pipeline, Result
-from specdecode.errors import SpecdecodeError
+from specdecode.errors import SpecdecodeError, read_text_file
 from specdecode.generate import GenerationConfig
 from specdecode.sampling import SamplingParams
 
@@ -68,11 +68,7 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
 
 def bench_prompts(args: argparse.Namespace) -> list[str]:
     prompts = list(args.prompt or [])
-    for name in args.file or []:
-        try:
-            prompts.append(Path(name).read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError) as exc:
-            raise SpecdecodeError(f"cannot read the prompt file {name}: {exc}") from None
+    prompts.extend(read_text_file(name, "prompt file") for name in args.file or [])
     return prompts or list(DEFAULT_PROMPTS)
 
 

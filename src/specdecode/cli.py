@@ -17,8 +17,8 @@ from transformers.utils import logging as hf_logging
 from specdecode import bench, bench_draft
 from specdecode.api import Pipeline
 from specdecode.backends.hf import DTYPES, LoadOptions
-from specdecode.defaults import bundled_pair
-from specdecode.errors import SpecdecodeError
+from specdecode.defaults import resolve_models
+from specdecode.errors import SpecdecodeError, read_text_file
 from specdecode.generate import GenerationConfig
 from specdecode.lookup import add_lookup_parser
 from specdecode.sampling import SamplingParams
@@ -177,9 +177,7 @@ def ngram_from_args(args: argparse.Namespace) -> NgramSettings:
 
 
 def pipeline_from_args(args: argparse.Namespace) -> Pipeline:
-    if args.model is None:
-        args.model, bundled_draft = bundled_pair()
-        args.model_draft = args.model_draft or bundled_draft  # the bundled draft fits only its target
+    args.model, args.model_draft = resolve_models(args.model, args.model_draft)
     spec_types = parse_spec_types(args.spec_type) if args.spec_type is not None else None
     target_options = LoadOptions(args.device, args.dtype, args.threads, args.ctx_size, args.batch_size)
     draft_options = LoadOptions(
@@ -204,10 +202,7 @@ def pipeline_from_args(args: argparse.Namespace) -> Pipeline:
 
 def read_prompt(args: argparse.Namespace) -> str:
     if args.file is not None:
-        try:
-            return Path(args.file).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise SpecdecodeError(f"cannot read the prompt file {args.file}: {exc}") from None
+        return read_text_file(args.file, "prompt file")
     if args.prompt is None:
         raise SpecdecodeError("no prompt: pass -p TEXT or -f FILE")
     return args.prompt

@@ -23,3 +23,12 @@ def bundled_pair() -> tuple[Path, Path]:
             "pass -m (and -md), or make a pair with `specdecode train tokenizer|target|draft`"
         )
     return target, draft
+
+
+def resolve_models(model: Path | None, draft: Path | None) -> tuple[Path, Path | None]:
+    """The models to load: as given, or the bundled pair when no target is given (the bundled
+    draft fits only the bundled target, so it is never paired with another one)."""
+    if model is not None:
+        return model, draft
+    bundled_target, bundled_draft = bundled_pair()
+    return bundled_target, draft or bundled_draft

@@ -26,7 +26,7 @@ from pathlib import Path
 from transformers import PreTrainedTokenizerBase
 
 from specdecode.backends.hf import load_tokenizer
-from specdecode.errors import SpecdecodeError
+from specdecode.errors import SpecdecodeError, read_text_file
 from specdecode.strategies.ngram_cache import (
     NGRAM_MAX,
     NGRAM_MIN,
@@ -175,15 +175,8 @@ def format_stats(result: LookupStats) -> str:
 # --------------------------------------------------------------------------- command line
 
 
-def _read_text(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise SpecdecodeError(f"cannot read the text file {path}: {exc}") from None
-
-
 def _run_create(args: argparse.Namespace) -> None:
-    cache = create(load_tokenizer(args.model), _read_text(args.file))
+    cache = create(load_tokenizer(args.model), read_text_file(args.file, "text file"))
     if not cache:
         raise SpecdecodeError(f"{args.file} is too short: fewer than 3 tokens, so no 2-gram has a follower")
     save(cache, args.lookup_cache_static)
@@ -199,7 +192,7 @@ def _run_merge(args: argparse.Namespace) -> None:
 
 
 def _run_stats(args: argparse.Namespace) -> None:
-    tokens = tokenize(load_tokenizer(args.model), _read_text(args.file))
+    tokens = tokenize(load_tokenizer(args.model), read_text_file(args.file, "text file"))
     start = time.perf_counter()
     static = load(args.lookup_cache_static) if args.lookup_cache_static else None
     dynamic = None

@@ -30,10 +30,9 @@ class TextAssembler:
     def push(self, token: int) -> str:
         """Add one token; return the text that is now safe to show (may be "")."""
         self.ids.append(token)
-        prefix = self.backend.detokenize(self.ids[self._prefix_offset : self._read_offset])
-        full = self.backend.detokenize(self.ids[self._prefix_offset :])
-        if len(full) > len(prefix) and not full.endswith(INCOMPLETE):
-            self._append(full[len(prefix) :])
+        new = self._pending_text()
+        if new and not new.endswith(INCOMPLETE):
+            self._append(new)
             self._prefix_offset, self._read_offset = self._read_offset, len(self.ids)
         return self._release(final=False)
 
@@ -41,10 +40,14 @@ class TextAssembler:
         """Flush at the end: text held back for a stop string, and the pieces that were waiting
         for the rest of a UTF-8 character (shown as U+FFFD, as a full decode shows them)."""
         if not self.stopped and self._read_offset < len(self.ids):
-            prefix = self.backend.detokenize(self.ids[self._prefix_offset : self._read_offset])
-            self._append(self.backend.detokenize(self.ids[self._prefix_offset :])[len(prefix) :])
+            self._append(self._pending_text())
             self._prefix_offset = self._read_offset = len(self.ids)
         return self._release(final=True)
+
+    def _pending_text(self) -> str:
+        """Text of the ids not yet read, decoded after the preceding ones for context."""
+        prefix = self.backend.detokenize(self.ids[self._prefix_offset : self._read_offset])
+        return self.backend.detokenize(self.ids[self._prefix_offset :])[len(prefix) :]
 
     def _append(self, new: str) -> None:
         start = max(0, len(self.text) - max((len(s) for s in self.stop), default=0))

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
-from specdecode.errors import SpecdecodeError
+from specdecode.errors import SpecdecodeError, read_text_file
 
 EXCLUDED_DIRS = frozenset({"site-packages", "test", "tests", "idle_test", "__pycache__"})
 MAX_FILE_BYTES = 1_000_000
@@ -76,13 +76,6 @@ def split_files(files: Sequence[Path], root: Path) -> tuple[list[Path], list[Pat
     return train, heldout
 
 
-def read_text(path: Path) -> str:
-    try:
-        return Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise SpecdecodeError(f"cannot read {path}: {exc}") from None
-
-
 def encode_files(tokenizer: PreTrainedTokenizerBase, files: Sequence[Path]) -> np.ndarray:
     """One int32 token stream: each file's ids (with the tokenizer's BOS, if it adds one), then EOS."""
     eos = tokenizer.eos_token_id
@@ -90,7 +83,7 @@ def encode_files(tokenizer: PreTrainedTokenizerBase, files: Sequence[Path]) -> n
         raise SpecdecodeError("the tokenizer has no EOS token to separate files with")
     pieces: list[np.ndarray] = []
     for start in range(0, len(files), ENCODE_BATCH):
-        texts = [read_text(path) for path in files[start : start + ENCODE_BATCH]]
+        texts = [read_text_file(path) for path in files[start : start + ENCODE_BATCH]]
         for ids in tokenizer(texts, add_special_tokens=True)["input_ids"]:
             pieces.append(np.asarray([*ids, eos], dtype=np.int32))
     return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int32)

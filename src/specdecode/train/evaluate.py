@@ -21,12 +21,12 @@ import torch
 
 from specdecode.api import Pipeline
 from specdecode.backends.hf import HFBackend
-from specdecode.defaults import bundled_pair
-from specdecode.errors import SpecdecodeError
+from specdecode.defaults import resolve_models
+from specdecode.errors import SpecdecodeError, read_text_file
 from specdecode.generate import GenerationConfig
 from specdecode.sampling import SamplingParams
 from specdecode.strategies import DraftModelConfig
-from specdecode.train.corpus import corpus_files, encode_files, read_text, split_files, stdlib_root
+from specdecode.train.corpus import corpus_files, encode_files, split_files, stdlib_root
 
 CONTEXT_LINES = 4  # a prompt's file must have at least this many lines after the prompt
 
@@ -70,7 +70,7 @@ def heldout_prompts(
     rng.shuffle(ordered)
     prompts: list[str] = []
     for path in ordered:
-        lines = read_text(path).split("\n")
+        lines = read_text_file(path).split("\n")
         last_start = len(lines) - prompt_lines - CONTEXT_LINES
         if last_start < 0:
             continue
@@ -133,9 +133,7 @@ def add_eval_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
 
 
 def run_eval(args: argparse.Namespace) -> None:
-    if args.model is None:
-        args.model, bundled_draft = bundled_pair()
-        args.model_draft = args.model_draft or bundled_draft
+    args.model, args.model_draft = resolve_models(args.model, args.model_draft)
     target = HFBackend.load(args.model)
     draft = HFBackend.load(args.model_draft) if args.model_draft is not None else None
     config = DraftModelConfig(args.draft_max, p_min=args.draft_p_min)

@@ -13,8 +13,8 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
-from specdecode.errors import SpecdecodeError
-from specdecode.train.corpus import corpus_files, read_text, split_files, stdlib_root
+from specdecode.errors import SpecdecodeError, read_text_file
+from specdecode.train.corpus import corpus_files, split_files, stdlib_root
 
 SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>")  # ids 0, 1, 2
 MIN_VOCAB, MAX_VOCAB = 512, 65536
@@ -55,7 +55,7 @@ def train_tokenizer(out_dir: Path, vocab_size: int = 8192, files: list[Path] | N
         files = split_files(corpus_files(root), root)[0]
     if not files:
         raise SpecdecodeError("no files to train the tokenizer on")
-    tokenizer = build_tokenizer((read_text(path) for path in files), vocab_size)
+    tokenizer = build_tokenizer((read_text_file(path) for path in files), vocab_size)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(out_dir)
