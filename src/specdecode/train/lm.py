@@ -40,6 +40,9 @@ from specdecode.errors import SpecdecodeError
 
 HARD_LOSS_WEIGHT = 0.1  # share of plain next-token cross-entropy in the distillation loss
 SAVE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+# "bf16": matmuls under bfloat16 autocast (fp32 master weights and optimizer state), about twice
+# as fast as fp32 on GPUs and on CPUs with AVX512-BF16 or AMX; "fp32" for CPUs without them.
+PRECISIONS = ("bf16", "fp32")
 DEVICES = ("cpu", "cuda", "auto")
 CHECKPOINT_FILE = "checkpoint/state.pt"
 LOG_FILE = "train_log.json"
@@ -114,6 +117,7 @@ class TrainConfig:
     device: str = "auto"  # "cpu", "cuda" or "auto" (cuda when available)
     checkpoint_every: int = 500
     save_dtype: str = "bfloat16"
+    precision: str = "bf16"
     distill_temperature: float = 1.0
     threads: int | None = None  # torch intra-op threads; None leaves torch's setting alone
 
@@ -134,6 +138,8 @@ class TrainConfig:
             raise SpecdecodeError(
                 f"save_dtype must be one of {', '.join(SAVE_DTYPES)}, not {self.save_dtype!r}"
             )
+        if self.precision not in PRECISIONS:
+            raise SpecdecodeError(f"precision must be one of {', '.join(PRECISIONS)}, not {self.precision!r}")
         if self.threads is not None and self.threads < 1:
             raise SpecdecodeError(f"threads must be >= 1, not {self.threads}")
 
@@ -289,7 +295,7 @@ def _step(
     device = next(model.parameters()).device
     for group in optimizer.param_groups:
         group["lr"] = _lr_at(step, config)
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.precision == "bf16"):
         loss = loss_fn(model, batch.to(device))
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
