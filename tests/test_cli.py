@@ -1,4 +1,4 @@
-"""The `specdecode` command: output formats, the -md trap, the benchmark, and clear errors."""
+"""The `specdecode` command: output formats, the -md trap, and clear errors."""
 
 from __future__ import annotations
 
@@ -143,45 +143,6 @@ def test_translation_through_text_works_for_a_different_tokenizer(pair, capsys):
     spec = run_json(capsys, *common, "-md", str(other), "--spec-replace", "    ", "\t", "--draft-p-min", "0")
     assert spec["tokens"] == plain["tokens"]
     assert spec["stats"]["totals"]["n_drafted"] > 0
-
-
-def test_bench_reports_identical_outputs_and_writes_json(pair, tmp_path, capsys):
-    target, draft, _ = pair
-    out = tmp_path / "bench.json"
-    argv = [
-        "bench",
-        "-m",
-        str(target),
-        "-md",
-        str(draft),
-        "--draft-p-min",
-        "0",
-        "-n",
-        "12",
-        "--runs",
-        "2",
-        "--warmup",
-        "0",
-        "-p",
-        "def f():",
-        "-p",
-        "x = [",
-        "--json",
-        str(out),
-    ]
-    assert main(argv) == 0
-    table = capsys.readouterr().out
-    assert "speed-up" in table and "NO" not in table
-    results = json.loads(out.read_text())
-    assert len(results) == 2
-    assert all(r["identical"] for r in results)
-    assert all(len(r["plain_tokens_per_second"]) == 2 for r in results)
-
-
-def test_bench_needs_speculation(pair, capsys):
-    target, _, _ = pair
-    assert main(["bench", "-m", str(target), "--spec-type", "none", "--runs", "1"]) == 2
-    assert "give -md" in capsys.readouterr().err
 
 
 def test_lookup_caches_through_the_command_line(pair, tmp_path, capsys):

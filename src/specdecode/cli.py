@@ -14,9 +14,10 @@ from pathlib import Path
 
 from transformers.utils import logging as hf_logging
 
-from specdecode import bench, bench_draft
 from specdecode.api import Pipeline
 from specdecode.backends.hf import DTYPES, LoadOptions
+from specdecode.bench import command as bench_command
+from specdecode.bench import drafting as bench_drafting
 from specdecode.defaults import resolve_models
 from specdecode.errors import SpecdecodeError, read_text_file
 from specdecode.generate import GenerationConfig
@@ -262,16 +263,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(gen, temperature=SamplingParams().temperature)
     gen.set_defaults(handler=run_generate)
 
-    ben = commands.add_parser("bench", help="plain vs speculative generation, interleaved, in one run")
-    bench.add_bench_args(ben)
+    ben = bench_command.add_bench_parser(commands)
     add_model_args(ben)
-    add_spec_args(ben)
-    add_sampling_args(ben, temperature=0.0)
-    ben.set_defaults(handler=lambda args: bench.run(args, pipeline_from_args(args), sampling_from_args(args)))
+    add_ngram_args(ben)
+    ben.set_defaults(handler=lambda args: bench_command.run_bench(args, ngram_from_args(args)))
     add_lookup_parser(commands)
     add_train_parser(commands)
     add_eval_parser(commands)
-    bench_draft.add_bench_draft_parser(commands)
+    bench_drafting.add_bench_draft_parser(commands)
     return parser
 
 

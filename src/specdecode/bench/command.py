@@ -1,0 +1,220 @@
+"""`specdecode bench`: every strategy against plain generation and against Hugging Face, in one run.
+
+specdecode bench --quick              # the bundled pair, 1 prompt per task, under 2 minutes
+specdecode bench --out bench-results  # the full suite: 3 prompts per task, 128 tokens, 3 runs
+specdecode bench -m TARGET -md DRAFT --systems plain,draft,hf-plain,hf-assisted
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from specdecode.backends.hf import HFBackend, LoadOptions
+from specdecode.bench import plots
+from specdecode.bench.metrics import summarize
+from specdecode.bench.report import print_tables, sweep_lines, write_outputs
+from specdecode.bench.suite import Measurement, rounds, run_suite
+from specdecode.bench.systems import System, build_systems, draft_max_systems, system_names
+from specdecode.bench.tasks import TASK_NAMES, Task, build_tasks, custom_task
+from specdecode.defaults import resolve_models
+from specdecode.errors import SpecdecodeError, read_text_file
+from specdecode.generate import check_room
+from specdecode.strategies import DraftModelConfig, NgramSettings
+
+# (prompts per task, tokens per run, measured runs, warm-up rounds, --draft-max sweep)
+MODES = {
+    "quick": (1, 32, 1, 1, (2, 8)),
+    "full": (3, 128, 3, 1, (1, 2, 4, 8, 16)),
+}
+
+
+def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register `bench` with its own flags; the caller adds the model and n-gram flags it shares
+    with `generate`, and the handler."""
+    parser = subparsers.add_parser(
+        "bench",
+        help="every strategy vs plain generation and vs Hugging Face generate, interleaved, in one run",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    group = parser.add_argument_group("benchmark")
+    group.add_argument("--quick", action="store_true", help="1 prompt per task, 32 tokens, 1 run")
+    group.add_argument("--tasks", default=",".join(TASK_NAMES), help="comma-separated tasks")
+    group.add_argument("--systems", help="comma-separated systems (default: all that the models allow)")
+    group.add_argument("--no-hf", action="store_true", help="leave Hugging Face's generate out")
+    group.add_argument("-p", "--prompt", action="append", help="your own prompt (repeatable): a custom task")
+    group.add_argument("-f", "--file", action="append", help="a file whose text is one custom prompt")
+    group.add_argument("--prompts-per-task", type=int, help="prompts per task (quick 1, full 3)")
+    group.add_argument("-n", "--n-predict", type=int, help="tokens generated per run (quick 32, full 128)")
+    group.add_argument("--runs", type=int, help="measured runs per prompt and system (quick 1, full 3)")
+    group.add_argument("--warmup", type=int, help="uncounted rounds per prompt first (1)")
+    group.add_argument("--draft-max", type=int, default=16, help="max draft tokens")
+    group.add_argument("--draft-min", type=int, default=0, help="drop drafts shorter than this")
+    group.add_argument("--draft-p-min", type=float, default=0.75, help="draft confidence to keep drafting")
+    group.add_argument(
+        "--sweep",
+        help="comma-separated --draft-max values for the sweep (quick 2,8; full 1,2,4,8,16; 0: none)",
+    )
+    group.add_argument(
+        "--out", type=Path, default=Path("bench-results"), help="directory for JSON, Markdown, PNG"
+    )
+    group.add_argument("--no-plots", action="store_true", help="write no PNG files")
+    return parser
+
+
+def settings(args: argparse.Namespace) -> dict:
+    """The run's sizes: the mode's defaults, overridden by explicit flags."""
+    per_task, n_predict, runs, warmup, sweep = MODES["quick" if args.quick else "full"]
+    chosen = {
+        "mode": "quick" if args.quick else "full",
+        "prompts_per_task": args.prompts_per_task or per_task,
+        "n_predict": args.n_predict or n_predict,
+        "runs": args.runs or runs,
+        "warmup": warmup if args.warmup is None else args.warmup,
+        "sweep": sweep if args.sweep is None else _int_list(args.sweep),
+    }
+    if chosen["n_predict"] < 1:
+        raise SpecdecodeError("-n must be >= 1")
+    return chosen
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise SpecdecodeError(f"--sweep takes comma-separated integers, not {text!r}") from None
+    if any(v < 0 for v in values):
+        raise SpecdecodeError("--sweep values must be >= 1 (or 0 for no sweep)")
+    return tuple(v for v in values if v > 0)
+
+
+def bench_tasks(args: argparse.Namespace, per_task: int) -> list[Task]:
+    prompts = list(args.prompt or []) + [read_text_file(name, "prompt file") for name in args.file or []]
+    if prompts:
+        return [custom_task(prompts)]
+    return build_tasks([name.strip() for name in args.tasks.split(",") if name.strip()], per_task)
+
+
+def load_models(args: argparse.Namespace) -> tuple[HFBackend, HFBackend | None]:
+    model, draft = resolve_models(args.model, args.model_draft)
+    target = HFBackend.load(
+        model, LoadOptions(args.device, args.dtype, args.threads, args.ctx_size, args.batch_size)
+    )
+    draft_options = LoadOptions(
+        args.device_draft or args.device,
+        args.dtype_draft,
+        args.threads_draft or args.threads,
+        args.ctx_size_draft,
+        args.batch_size,
+    )
+    return target, HFBackend.load(draft, draft_options) if draft is not None else None
+
+
+def run_bench(args: argparse.Namespace, ngram: NgramSettings) -> None:
+    chosen = settings(args)
+    tasks = bench_tasks(args, chosen["prompts_per_task"])
+    target, draft = load_models(args)
+    draft_config = DraftModelConfig(args.draft_max, args.draft_min, args.draft_p_min)
+    names = (
+        [name.strip() for name in args.systems.split(",")]
+        if args.systems
+        else system_names(draft is not None, include_hf=not args.no_hf)
+    )
+    systems = build_systems(names, target, draft, draft_config, ngram)
+    for task in tasks:
+        for prompt in task.prompts:
+            check_room(target.tokenize(prompt), chosen["n_predict"], target.n_ctx)
+    sweep_systems = []
+    if chosen["sweep"] and draft is not None and tasks[0].name in ("completion", "custom"):
+        sweep_systems = [systems[0], *draft_max_systems(chosen["sweep"], target, draft, draft_config)]
+    console = Console(stderr=True)
+    measurements, sweep = _measure(tasks, systems, sweep_systems, target, chosen, console)
+    rows = summarize(measurements)
+    results = {"settings": chosen, "machine": _machine(target), "systems": [s.name for s in systems]}
+    results |= {"tasks": {t.name: list(t.prompts) for t in tasks}, "rows": rows, "draft_max_sweep": sweep}
+    header = f"specdecode bench ({chosen['mode']}): {target.name} / {draft.name if draft else 'no draft'}"
+    console.print(header)
+    print_tables(rows, _stdout_console())
+    for line in sweep_lines(sweep):
+        print(line)
+    written = write_outputs(args.out, results, rows, header)
+    if not args.no_plots:
+        written += _plots(rows, sweep, args.out)
+    console.print("wrote " + ", ".join(str(path) for path in written))
+
+
+def _measure(
+    tasks: list[Task],
+    systems: list[System],
+    sweep_systems: list[System],
+    target: HFBackend,
+    chosen: dict,
+    console: Console,
+) -> tuple[list[Measurement], list[dict]]:
+    """The main suite, then the draft-max sweep on the first task's prompts, with one progress bar."""
+    per_prompt = len(rounds(systems, chosen["runs"], chosen["warmup"])) * len(systems)
+    total = per_prompt * sum(len(t.prompts) for t in tasks)
+    if sweep_systems:
+        sweep_rounds = len(rounds(sweep_systems, chosen["runs"], chosen["warmup"]))
+        total += sweep_rounds * len(sweep_systems) * len(tasks[0].prompts)
+    columns = (TextColumn("{task.description:<40}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+    with Progress(*columns, console=console, transient=True) as progress:
+        bar = progress.add_task("warming up", total=total)
+
+        def advance(label: str) -> None:
+            progress.update(bar, advance=1, description=label)
+
+        measured = run_suite(
+            tasks, systems, target.tokenize, chosen["n_predict"], chosen["runs"], chosen["warmup"], advance
+        )
+        sweep_measured = (
+            run_suite(
+                tasks[:1],
+                sweep_systems,
+                target.tokenize,
+                chosen["n_predict"],
+                chosen["runs"],
+                chosen["warmup"],
+                advance,
+            )
+            if sweep_systems
+            else []
+        )
+    sweep = [
+        {"draft_max": int(row["system"].split()[-1]), **row}
+        for row in summarize(sweep_measured)
+        if row["system"] != "plain"
+    ]
+    return measured, sweep
+
+
+def _stdout_console() -> Console:
+    """The tables' console: a terminal's own width, or wide enough for every column in a file."""
+    console = Console()
+    return console if console.is_terminal else Console(width=200)
+
+
+def _plots(rows: list[dict], sweep: list[dict], out: Path) -> list[Path]:
+    written = [
+        plots.speedup_by_task(rows, out / "speedup_by_task.png"),
+        plots.acceptance_by_position(rows, out / "acceptance_by_position.png"),
+    ]
+    if sweep:
+        written.append(plots.speedup_vs_draft_max(sweep, out / "speedup_vs_draft_max.png"))
+    return written
+
+
+def _machine(target: HFBackend) -> dict:
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "processor": platform.processor() or platform.machine(),
+        "threads": torch.get_num_threads(),
+        "device": str(target.device),
+    }

@@ -1,0 +1,120 @@
+"""From measured runs to the figures the report shows, per task and system.
+
+Speed is end-to-end generated tokens per second (prompt evaluation included, the same for
+every system), as the median over runs with its range; speed-ups are ratios of medians
+measured in the same interleaved run. Counters (acceptance, tokens per pass, time split) are
+sums over all runs, so long and short drafts weigh by their tokens.
+
+The ideal speed-up is Leviathan et al.'s S(α, γ, c) = (1 − α^(γ+1)) / ((1 − α)(1 + γc)):
+γ is the mean number of drafted tokens per target pass, c the cost of drafting one token
+relative to one target pass (both measured), and α the per-token acceptance probability that,
+in the i.i.d. model, gives the measured tokens per pass with drafts of γ tokens. A measured
+speed-up below S is what the rest costs: verifying γ + 1 positions instead of one, sampling,
+rollback, and the loop itself.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from collections.abc import Sequence
+
+from specdecode.bench.suite import Measurement
+from specdecode.stats import DraftCounts
+
+
+def solve_alpha(tokens_per_pass: float, gamma: float) -> float:
+    """α with (1 − α^(γ+1)) / (1 − α) = tokens_per_pass (increasing in α: bisection)."""
+    if gamma <= 0 or tokens_per_pass <= 1:
+        return 0.0
+    if tokens_per_pass >= gamma + 1:
+        return 1.0
+    low, high = 0.0, 1.0
+    for _ in range(60):
+        alpha = (low + high) / 2
+        if (1 - alpha ** (gamma + 1)) / (1 - alpha) < tokens_per_pass:
+            low = alpha
+        else:
+            high = alpha
+    return (low + high) / 2
+
+
+def ideal_speedup(alpha: float, gamma: float, cost_ratio: float) -> float:
+    """S(α, γ, c) = (1 − α^(γ+1)) / ((1 − α)(1 + γc))."""
+    expected_tokens = gamma + 1 if alpha >= 1 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
+    return expected_tokens / (1 + gamma * cost_ratio)
+
+
+def _counters(runs: Sequence[Measurement]) -> dict:
+    """Drafting counters and times summed over our runs (empty for Hugging Face's)."""
+    stats = [m.stats for m in runs if m.stats is not None]
+    if not stats:
+        return {}
+    counts = DraftCounts()
+    for s in stats:
+        counts.n_drafted += s.totals.n_drafted
+        counts.n_accepted += s.totals.n_accepted
+        for mine, theirs in (
+            (counts.drafted_per_pos, s.totals.drafted_per_pos),
+            (counts.accepted_per_pos, s.totals.accepted_per_pos),
+        ):
+            mine.extend([0] * (len(theirs) - len(mine)))
+            for i, value in enumerate(theirs):
+                mine[i] += value
+    passes = sum(s.n_passes for s in stats)
+    t_draft, t_verify = sum(s.t_draft for s in stats), sum(s.t_verify for s in stats)
+    t_generation = sum(s.t_generation for s in stats) or 1.0
+    gamma = counts.n_drafted / passes if passes else 0.0
+    tokens_per_pass = sum(s.n_step_tokens for s in stats) / passes if passes else 0.0
+    cost_ratio = (t_draft / counts.n_drafted) / (t_verify / passes) if counts.n_drafted and t_verify else 0.0
+    alpha = solve_alpha(tokens_per_pass, gamma)
+    return {
+        "acceptance_rate": counts.acceptance_rate,
+        "acceptance_by_position": counts.acceptance_by_position,
+        "drafted_by_position": counts.drafted_per_pos,
+        "tokens_per_pass": tokens_per_pass,
+        "draft_tokens_per_pass": gamma,
+        "alpha": alpha,
+        "cost_ratio": cost_ratio,
+        "ideal_speedup": ideal_speedup(alpha, gamma, cost_ratio),
+        "share_draft": t_draft / t_generation,
+        "share_verify": t_verify / t_generation,
+        "share_other": max(0.0, 1 - (t_draft + t_verify) / t_generation),
+    }
+
+
+def summarize(measurements: Sequence[Measurement]) -> list[dict]:
+    """One row per (task, system), in the order measured, with speed-ups against our plain
+    generation and against Hugging Face's plain `generate` (when measured)."""
+    groups: dict[tuple[str, str], list[Measurement]] = defaultdict(list)
+    reference: dict[tuple[str, int], list[int]] = {}
+    for m in measurements:
+        groups[m.task, m.system].append(m)
+        if m.system == "plain":
+            reference.setdefault((m.task, m.prompt), m.tokens)
+    medians = {key: statistics.median(m.tokens_per_second for m in runs) for key, runs in groups.items()}
+    rows = []
+    for (task, system), runs in groups.items():
+        speeds = [m.tokens_per_second for m in runs]
+        exact = [m.tokens == reference[task, m.prompt] for m in runs if (task, m.prompt) in reference]
+        row = {
+            "task": task,
+            "system": system,
+            "family": runs[0].family,
+            "runs": len(runs),
+            "tokens_per_second": medians[task, system],
+            "tokens_per_second_min": min(speeds),
+            "tokens_per_second_max": max(speeds),
+            "speedup_vs_plain": _ratio(medians, task, system, "plain"),
+            "speedup_vs_hf_plain": _ratio(medians, task, system, "hf-plain"),
+            "exact_match_rate": sum(exact) / len(exact) if exact else None,
+            **_counters(runs),
+        }
+        if "ideal_speedup" in row and row["speedup_vs_plain"] is not None:
+            row["fraction_of_ideal"] = row["speedup_vs_plain"] / row["ideal_speedup"]
+        rows.append(row)
+    return rows
+
+
+def _ratio(medians: dict, task: str, system: str, baseline: str) -> float | None:
+    return medians[task, system] / medians[task, baseline] if (task, baseline) in medians else None

@@ -1,0 +1,113 @@
+"""The benchmark's outputs: a table per task in the terminal (rich), Markdown and JSON files.
+
+Columns, for each system on a task:
+  tok/s      generated tokens per second end to end, median over runs (min–max)
+  ×plain     speed-up over our plain generation;  ×HF: over Hugging Face's plain `generate`
+  accept     accepted / drafted tokens;  tok/pass: tokens emitted per target pass
+  ideal S    S(α, γ, c) from the measured α, γ and c (see `metrics`);  of S: measured / ideal
+  d/v/o %    share of generation time spent drafting / verifying (target passes) / elsewhere
+  exact      share of runs whose tokens equal our plain greedy output
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from specdecode.errors import SpecdecodeError
+
+COLUMNS = (
+    "system",
+    "tok/s (min–max)",
+    "×plain",
+    "×HF",
+    "accept",
+    "tok/pass",
+    "ideal S",
+    "of S",
+    "d/v/o %",
+    "exact",
+)
+
+
+def _number(value: float | None, fmt: str) -> str:
+    return "—" if value is None else format(value, fmt)
+
+
+def cells(row: dict) -> list[str]:
+    drafted = row.get("draft_tokens_per_pass", 0) > 0
+    speculative = {key: row.get(key) if drafted else None for key in ("acceptance_rate", "tokens_per_pass")}
+    ideal = row.get("ideal_speedup") if drafted else None
+    shares = (
+        f"{100 * row['share_draft']:.0f}/{100 * row['share_verify']:.0f}/{100 * row['share_other']:.0f}"
+        if "share_draft" in row
+        else "—"
+    )
+    return [
+        row["system"],
+        f"{row['tokens_per_second']:.1f} "
+        f"({row['tokens_per_second_min']:.1f}–{row['tokens_per_second_max']:.1f})",
+        _number(row["speedup_vs_plain"], ".2f"),
+        _number(row["speedup_vs_hf_plain"], ".2f"),
+        _number(speculative["acceptance_rate"], ".2f"),
+        _number(speculative["tokens_per_pass"], ".2f"),
+        _number(ideal, ".2f"),
+        _number(row.get("fraction_of_ideal") if drafted else None, ".0%"),
+        shares,
+        _number(row["exact_match_rate"], ".0%"),
+    ]
+
+
+def by_task(rows: Sequence[dict]) -> dict[str, list[dict]]:
+    tasks: dict[str, list[dict]] = {}
+    for row in rows:
+        tasks.setdefault(row["task"], []).append(row)
+    return tasks
+
+
+def print_tables(rows: Sequence[dict], console: Console) -> None:
+    for task, task_rows in by_task(rows).items():
+        table = Table(title=f"task: {task}", title_justify="left")
+        for i, column in enumerate(COLUMNS):
+            table.add_column(column, justify="left" if i == 0 else "right")
+        for row in task_rows:
+            table.add_row(*cells(row))
+        console.print(table)
+
+
+def markdown(rows: Sequence[dict], header: str) -> str:
+    lines = [header, ""]
+    for task, task_rows in by_task(rows).items():
+        lines += [f"### {task}", "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+        lines += ["| " + " | ".join(cells(row)) + " |" for row in task_rows]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def sweep_lines(sweep: Sequence[dict]) -> list[str]:
+    """The draft-max sweep: one line per value."""
+    return [
+        f"--draft-max {row['draft_max']:>2}: {row['speedup_vs_plain']:.2f}x over plain, "
+        f"{row['tokens_per_pass']:.2f} tokens per pass, acceptance {row['acceptance_rate']:.2f}"
+        for row in sweep
+    ]
+
+
+def write_outputs(out_dir: Path, results: dict, rows: Sequence[dict], header: str) -> list[Path]:
+    """results.json (everything) and results.md (the tables) in out_dir."""
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        json_path, md_path = out_dir / "results.json", out_dir / "results.md"
+        json_path.write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
+        text = markdown(rows, header)
+        if results.get("draft_max_sweep"):
+            text += "\n### speed-up vs --draft-max (draft, completion)\n\n"
+            text += "\n".join(f"- {line}" for line in sweep_lines(results["draft_max_sweep"])) + "\n"
+        md_path.write_text(text, encoding="utf-8")
+    except OSError as exc:
+        raise SpecdecodeError(f"cannot write the results into {out_dir}: {exc}") from None
+    return [json_path, md_path]

@@ -1,0 +1,86 @@
+"""Running systems over prompts, interleaved, so a noisy machine's drift hits all systems alike.
+
+For each prompt: `warmup` uncounted rounds of every system, then `runs` measured rounds. Each
+round runs every system once, in an order rotated by one per round, so no system is always
+first after a prompt change (or always last, when the machine is warmest).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from specdecode.bench.systems import Run, System
+from specdecode.bench.tasks import Task
+from specdecode.errors import SpecdecodeError
+from specdecode.stats import GenerationStats
+
+
+@dataclass
+class Measurement:
+    """One measured run of one system on one prompt."""
+
+    task: str
+    prompt: int
+    system: str
+    family: str
+    seconds: float
+    tokens: list[int]
+    stats: GenerationStats | None
+
+    @property
+    def tokens_per_second(self) -> float:
+        return len(self.tokens) / self.seconds
+
+
+def rounds(systems: Sequence[System], runs: int, warmup: int) -> list[tuple[bool, list[System]]]:
+    """(measured?, systems in order) for each round on one prompt."""
+    if runs < 1 or warmup < 0:
+        raise SpecdecodeError(f"need runs >= 1 and warmup >= 0 (got {runs}, {warmup})")
+    plan = [(False, list(systems)) for _ in range(warmup)]
+    for r in range(runs):
+        shift = r % len(systems)
+        plan.append((True, [*systems[shift:], *systems[:shift]]))
+    return plan
+
+
+def run_suite(
+    tasks: Sequence[Task],
+    systems: Sequence[System],
+    encode: Callable[[str], list[int]],
+    n_predict: int,
+    runs: int,
+    warmup: int,
+    advance: Callable[[str], None] = lambda label: None,
+) -> list[Measurement]:
+    """Every system on every prompt of every task; `advance(label)` after each run (progress)."""
+    measurements = []
+    for task in tasks:
+        for index, prompt in enumerate(task.prompts):
+            ids = encode(prompt)
+            for measured, order in rounds(systems, runs, warmup):
+                for system in order:
+                    run = system.run(ids, n_predict)
+                    _check_length(run, n_predict, system.name, task.name, index)
+                    advance(f"{task.name} {index + 1}/{len(task.prompts)} {system.name}")
+                    if measured:
+                        measurements.append(
+                            Measurement(
+                                task.name,
+                                index,
+                                system.name,
+                                system.family,
+                                run.seconds,
+                                run.tokens,
+                                run.stats,
+                            )
+                        )
+    return measurements
+
+
+def _check_length(run: Run, n_predict: int, system: str, task: str, index: int) -> None:
+    if len(run.tokens) != n_predict:
+        raise SpecdecodeError(
+            f"{system} generated {len(run.tokens)} tokens instead of {n_predict} on {task} prompt "
+            f"{index + 1} (the context is too small for the prompt and -n)"
+        )

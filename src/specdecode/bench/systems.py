@@ -1,0 +1,163 @@
+"""The systems a benchmark compares: ours with each strategy and chain, and Hugging Face's `generate`.
+
+A system turns prompt ids into a fixed number of greedy tokens and says how long that took,
+end to end (prompt evaluation included), timed the same way for every system. All systems
+share the same loaded target (and draft) weights, so they differ only in how they decode.
+End-of-generation tokens do not stop any system: every run does the same amount of work.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+import torch
+from transformers import GenerationConfig as HFGenerationConfig
+from transformers.utils import logging as hf_logging
+
+from specdecode.api import Pipeline
+from specdecode.backends.hf import HFBackend
+from specdecode.errors import SpecdecodeError
+from specdecode.generate import GenerationConfig
+from specdecode.sampling import SamplingParams
+from specdecode.stats import GenerationStats
+from specdecode.strategies import PRIORITY, DraftModelConfig, NgramSettings
+
+GREEDY = SamplingParams(temperature=0)
+MODEL_FREE = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")
+CHAINS = (("ngram-simple", "draft"), ("ngram-mod", "ngram-map-k4v", "draft"))
+# Hugging Face's documented example value; its n-gram size stays at the default (2).
+HF_PROMPT_LOOKUP_TOKENS = 10
+
+
+@dataclass
+class Run:
+    tokens: list[int]
+    seconds: float
+    stats: GenerationStats | None  # ours only: Hugging Face reports no counters
+
+
+class System(Protocol):
+    name: str
+    family: str  # "ours" or "hf"
+
+    def run(self, prompt: list[int], n_predict: int) -> Run: ...
+
+
+class OursSystem:
+    family = "ours"
+
+    def __init__(self, name: str, pipeline: Pipeline) -> None:
+        self.name = name
+        self.pipeline = pipeline
+
+    def run(self, prompt: list[int], n_predict: int) -> Run:
+        config = GenerationConfig(n_predict=n_predict, ignore_eos=True)
+        began = time.perf_counter()
+        result = self.pipeline.generate(prompt, GREEDY, config)
+        return Run(result.tokens, time.perf_counter() - began, result.stats)
+
+
+class HFSystem:
+    """`model.generate(...)` as a transformers user would call it, greedy, EOS not stopping."""
+
+    family = "hf"
+
+    def __init__(self, name: str, target: HFBackend, assistant: HFBackend | None = None, **options) -> None:
+        self.name = name
+        self.model = target.model
+        self.assistant = assistant.model if assistant is not None else None
+        self.options = options
+        self.pad_id = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
+
+    def run(self, prompt: list[int], n_predict: int) -> Run:
+        config = HFGenerationConfig(
+            max_new_tokens=n_predict,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=self.pad_id,
+            **self.options,
+        )
+        began = time.perf_counter()
+        ids = torch.tensor([prompt], device=self.model.device)
+        with torch.inference_mode():
+            out = self.model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                generation_config=config,
+                assistant_model=self.assistant,
+            )
+        tokens = out[0, len(prompt) :].tolist()
+        return Run(tokens, time.perf_counter() - began, None)
+
+
+def system_names(has_draft: bool, include_hf: bool) -> list[str]:
+    """Every system the suite knows for these models, in table order."""
+    ours = ["plain", *MODEL_FREE]
+    if has_draft:
+        ours += ["draft", *(",".join(chain) for chain in CHAINS)]
+    hf = ["hf-plain", "hf-prompt-lookup"] + (["hf-assisted"] if has_draft else [])
+    return ours + (hf if include_hf else [])
+
+
+def build_systems(
+    names: Sequence[str],
+    target: HFBackend,
+    draft: HFBackend | None,
+    draft_config: DraftModelConfig,
+    ngram: NgramSettings,
+) -> list[System]:
+    """The named systems over the loaded models; "plain" always comes first (the baseline)."""
+    known = system_names(draft is not None, include_hf=True)
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        raise SpecdecodeError(
+            f"unknown or unavailable system {unknown[0]!r} (with these models: {', '.join(known)})"
+        )
+    ordered = ["plain", *(name for name in known if name in names and name != "plain")]
+    hf_logging.set_verbosity_error()  # its deprecation notices would drown the progress bar
+    return [_system(name, target, draft, draft_config, ngram) for name in ordered]
+
+
+def _system(
+    name: str,
+    target: HFBackend,
+    draft: HFBackend | None,
+    draft_config: DraftModelConfig,
+    ngram: NgramSettings,
+) -> System:
+    if name == "hf-plain":
+        return HFSystem(name, target)
+    if name == "hf-prompt-lookup":
+        return HFSystem(name, target, prompt_lookup_num_tokens=HF_PROMPT_LOOKUP_TOKENS)
+    if name == "hf-assisted":
+        return HFSystem(name, target, assistant=draft)
+    spec_types = [] if name == "plain" else sorted(name.split(","), key=PRIORITY.index)
+    pipeline = Pipeline(
+        target,
+        draft if "draft" in spec_types else None,
+        spec_types=spec_types,
+        draft_config=draft_config,
+        ngram=ngram,
+    )
+    return OursSystem(name, pipeline)
+
+
+def draft_max_systems(
+    values: Sequence[int], target: HFBackend, draft: HFBackend, draft_config: DraftModelConfig
+) -> list[System]:
+    """The draft strategy at several --draft-max values (for the speed-up vs draft-max sweep)."""
+    return [
+        OursSystem(
+            f"draft-max {n_max}",
+            Pipeline(
+                target,
+                draft,
+                spec_types=["draft"],
+                draft_config=replace(draft_config, n_max=n_max, n_min=min(draft_config.n_min, n_max)),
+            ),
+        )
+        for n_max in values
+    ]

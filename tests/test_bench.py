@@ -1,0 +1,149 @@
+"""`specdecode bench`: the suite runs, writes what it promises, and its arithmetic is right.
+
+Speed itself is never asserted here (the machine is noisy); the benchmark is a command.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from specdecode.backends.hf import HFBackend
+from specdecode.bench.metrics import ideal_speedup, solve_alpha, summarize
+from specdecode.bench.suite import Measurement, rounds
+from specdecode.bench.systems import build_systems, system_names
+from specdecode.bench.tasks import TASK_NAMES, build_tasks
+from specdecode.cli import main
+from specdecode.errors import SpecdecodeError
+from specdecode.strategies import DraftModelConfig, NgramSettings
+from specdecode.testing import make_llama, make_tokenizer, perturbed_copy, save_model
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bench-models")
+    tokenizer = make_tokenizer(320)
+    target = make_llama(len(tokenizer), init_std=0.5, seed=3, max_positions=1024)
+    draft = perturbed_copy(target, 0.02)
+    return save_model(root / "target", target, tokenizer), save_model(root / "draft", draft, tokenizer)
+
+
+def test_quick_run_writes_json_markdown_and_plots_with_every_system(pair, tmp_path, capsys):
+    target, draft = pair
+    out = tmp_path / "results"
+    argv = ["bench", "--quick", "-m", str(target), "-md", str(draft), "-n", "12", "--out", str(out)]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    results = json.loads((out / "results.json").read_text())
+    expected = system_names(has_draft=True, include_hf=True)
+    assert results["systems"] == expected
+    assert {"hf-plain", "hf-assisted", "hf-prompt-lookup", "draft", "ngram-mod"} <= set(expected)
+    rows = results["rows"]
+    assert {(r["task"], r["system"]) for r in rows} == {(t, s) for t in TASK_NAMES for s in expected}
+    for row in rows:
+        assert row["tokens_per_second"] > 0 and row["runs"] == 1
+        if row["family"] == "ours":
+            assert row["exact_match_rate"] == 1.0, row  # greedy speculation changes nothing
+    assert [s["draft_max"] for s in results["draft_max_sweep"]] == [2, 8]
+    for name in ("speedup_by_task.png", "acceptance_by_position.png", "speedup_vs_draft_max.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "task: editing" in printed and "hf-assisted" in printed
+    assert "| system |" in (out / "results.md").read_text()
+
+
+def test_hugging_face_greedy_generate_equals_our_plain_output(pair, tmp_path):
+    target, draft = pair
+    argv = ["bench", "-m", str(target), "-md", str(draft), "--systems", "plain,hf-plain,hf-assisted"]
+    argv += [
+        "-p",
+        "def f(x):\n    return",
+        "-n",
+        "16",
+        "--runs",
+        "1",
+        "--warmup",
+        "0",
+        "--out",
+        str(tmp_path),
+    ]
+    assert main([*argv, "--sweep", "0", "--no-plots"]) == 0
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert [r["system"] for r in rows] == ["plain", "hf-plain", "hf-assisted"]
+    assert all(r["exact_match_rate"] == 1.0 for r in rows)  # float64: no numeric ties
+    assert not list(tmp_path.glob("*.png"))
+
+
+def test_bad_arguments_are_refused(pair, tmp_path, capsys):
+    target, _ = pair
+    base = ["bench", "-m", str(target), "--out", str(tmp_path), "--quick"]
+    assert main([*base, "--systems", "plain,draft"]) == 2  # no draft model given
+    assert "unknown or unavailable system 'draft'" in capsys.readouterr().err
+    assert main([*base, "--tasks", "poetry"]) == 2
+    assert "unknown task 'poetry'" in capsys.readouterr().err
+    assert main([*base, "-p", "x" * 3000, "-n", "8"]) == 2  # longer than the context
+    assert "context" in capsys.readouterr().err
+    assert not (tmp_path / "results.json").exists()
+
+
+def test_tasks_come_from_held_out_files_and_are_deterministic():
+    first, second = build_tasks(TASK_NAMES, 3), build_tasks(TASK_NAMES, 3)
+    assert first == second
+    by_name = {task.name: task for task in first}
+    assert all(len(task.prompts) == 3 for task in first)
+    assert all(p.startswith("# ") and p.endswith("# After:\n") for p in by_name["editing"].prompts)
+    assert all(p.endswith('DOC = """') for p in by_name["extraction"].prompts)
+    assert all(p.lstrip().startswith(("def ", "async def ")) for p in by_name["completion"].prompts)
+    assert len({p for task in first for p in task.prompts}) == 12
+    with pytest.raises(SpecdecodeError, match="prompts per task"):
+        build_tasks(["free"], 0)
+
+
+def test_rounds_rotate_the_order_after_warm_up():
+    plan = rounds(["a", "b", "c"], runs=3, warmup=1)
+    assert plan == [
+        (False, ["a", "b", "c"]),
+        (True, ["a", "b", "c"]),
+        (True, ["b", "c", "a"]),
+        (True, ["c", "a", "b"]),
+    ]
+    with pytest.raises(SpecdecodeError):
+        rounds(["a"], runs=0, warmup=0)
+
+
+def test_ideal_speedup_inverts_the_expected_tokens_per_pass():
+    for alpha in (0.0, 0.3, 0.8, 0.95):
+        for gamma in (1, 4, 8):
+            tokens = (1 - alpha ** (gamma + 1)) / (1 - alpha)
+            assert math.isclose(solve_alpha(tokens, gamma), alpha, abs_tol=1e-9)
+            assert math.isclose(ideal_speedup(alpha, gamma, 0.0), tokens)
+    # Leviathan et al.: alpha 0.8, gamma 4, c 0.1 gives about 2.4
+    assert math.isclose(ideal_speedup(0.8, 4, 0.1), (1 - 0.8**5) / (0.2 * 1.4))
+    assert ideal_speedup(1.0, 8, 0.0) == 9
+    assert solve_alpha(1.0, 8) == 0.0
+
+
+def test_summary_ratios_and_exact_match():
+    def measurement(system: str, family: str, seconds: float, tokens: list[int]) -> Measurement:
+        return Measurement("editing", 0, system, family, seconds, tokens, None)
+
+    rows = summarize(
+        [
+            measurement("plain", "ours", 2.0, [1, 2, 3, 4]),
+            measurement("hf-plain", "hf", 4.0, [1, 2, 3, 4]),
+            measurement("hf-prompt-lookup", "hf", 1.0, [1, 2, 3, 5]),
+        ]
+    )
+    plain, hf, lookup = rows
+    assert plain["tokens_per_second"] == 2.0 and plain["speedup_vs_hf_plain"] == 2.0
+    assert lookup["speedup_vs_plain"] == 2.0 and lookup["speedup_vs_hf_plain"] == 4.0
+    assert hf["exact_match_rate"] == 1.0 and lookup["exact_match_rate"] == 0.0
+
+
+def test_systems_start_with_plain_whatever_the_order_asked(pair):
+    target = HFBackend.load(pair[0])
+    systems = build_systems(
+        ["hf-plain", "ngram-simple", "plain"], target, None, DraftModelConfig(), NgramSettings()
+    )
+    assert [s.name for s in systems] == ["plain", "ngram-simple", "hf-plain"]
