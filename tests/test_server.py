@@ -28,6 +28,7 @@ from conftest import TargetSpec, cached_tokenizer, draft_model, target_model
 import specdecode
 from specdecode import DraftModelConfig, GenerationConfig, HFBackend, Pipeline, SamplingParams
 from specdecode.cli import main
+from specdecode.loadtest import percentile
 from specdecode.server import ServerSettings, create_app
 from specdecode.server.chat import render
 from specdecode.server.metrics import Metrics
@@ -460,3 +461,26 @@ def test_serve_command_refuses_a_port_in_use(saved_pair, capsys):
         port = str(taken.getsockname()[1])
         assert main(["serve", "-m", str(saved_pair[0]), "--port", port]) == 2
     assert capsys.readouterr().err.startswith(f"error: cannot listen on 127.0.0.1:{port}")
+
+
+def test_loadtest_reports_throughput_latency_and_memory(url, capsys):
+    assert main(["loadtest", "--url", url, "--clients", "3", "--duration", "0.5", "--max-tokens", "4"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"loadtest: 3 clients for 0.5 s against {url}")
+    assert ", 0 errors in " in out and "requests/s" in out and "tokens/s" in out
+    assert "latency   p50 " in out and " p99 " in out
+    assert "server    resident memory " in out
+
+
+def test_loadtest_fails_when_requests_fail(url, capsys):
+    args = ["loadtest", "--url", url, "--clients", "1", "--duration", "0.2", "--max-tokens", "100000"]
+    assert main(args) == 2
+    captured = capsys.readouterr()
+    assert "0 ok" in captured.out
+    assert "requests failed; the first: HTTP 400" in captured.err
+
+
+def test_percentile_is_nearest_rank():
+    values = [float(v) for v in range(1, 101)]
+    assert (percentile(values, 50), percentile(values, 99), percentile(values, 100)) == (50.0, 99.0, 100.0)
+    assert percentile([3.0], 99) == 3.0

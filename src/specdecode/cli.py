@@ -20,6 +20,7 @@ from specdecode.backends.hf import DTYPES, LoadOptions
 from specdecode.defaults import resolve_models
 from specdecode.errors import SpecdecodeError, read_text_file
 from specdecode.generate import GenerationConfig
+from specdecode.loadtest import add_loadtest_parser
 from specdecode.lookup import add_lookup_parser
 from specdecode.sampling import SamplingParams
 from specdecode.server import serve
@@ -288,6 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_spec_args(srv)
     add_sampling_args(srv, temperature=SamplingParams().temperature)
     srv.set_defaults(handler=run_serve)
+    add_loadtest_parser(commands)
     add_lookup_parser(commands)
     add_train_parser(commands)
     add_eval_parser(commands)
