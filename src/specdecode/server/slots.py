@@ -43,30 +43,23 @@ FINISHED = _Finished()
 class SlotPool:
     def __init__(self, pipelines: list[Pipeline], metrics: Metrics) -> None:
         self.size = len(pipelines)
-        self._pipelines = pipelines
-        self._free: asyncio.Queue[Pipeline] | None = None
+        self._free: asyncio.Queue[Pipeline] = asyncio.Queue()  # binds to the loop that first waits on it
+        for pipeline in pipelines:
+            self._free.put_nowait(pipeline)
         self._executor = ThreadPoolExecutor(self.size, thread_name_prefix="slot")
         self._metrics = metrics
         self.waiting = 0
 
     @property
     def busy(self) -> int:
-        return self.size - (self._free.qsize() if self._free is not None else self.size)
-
-    def _queue(self) -> asyncio.Queue[Pipeline]:
-        # Made on first use, inside the server's event loop.
-        if self._free is None:
-            self._free = asyncio.Queue()
-            for pipeline in self._pipelines:
-                self._free.put_nowait(pipeline)
-        return self._free
+        return self.size - self._free.qsize()
 
     async def generate(self, job: Job) -> AsyncIterator[Chunk | Generation]:
         """The job's chunks as they come, then its finished Generation (text, tokens, stats).
 
         Waits for a free slot first. Closing the iterator early (or cancelling the task that
         reads it) stops the generation at its next step and frees the slot."""
-        free = self._queue()
+        free = self._free
         self.waiting += 1
         try:
             pipeline = await free.get()
