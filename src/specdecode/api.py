@@ -45,21 +45,24 @@ class Pipeline:
         draft_config: DraftModelConfig = DraftModelConfig(),
         ngram: NgramSettings = NgramSettings(),
         replacements: Sequence[tuple[str, str]] | None = None,
+        shared: SharedState | None = None,
     ) -> None:
         """spec_types: enabled strategy names (None: "draft" when a draft is given, else none).
         ngram: settings of the model-free strategies; their shared state (the ngram-mod pool,
         the ngram-cache files) lives as long as the pipeline.
         replacements: (target text, draft text) pairs; given (even empty), a draft whose
-        vocabulary differs is used through text translation instead of being refused."""
+        vocabulary differs is used through text translation instead of being refused.
+        shared: state to share with other pipelines (see `fork`); None makes the pipeline's own."""
         self.target = target
         self.draft = draft
         self.spec_types = list(spec_types) if spec_types is not None else (["draft"] if draft else [])
         self.draft_config = draft_config
         self.ngram = ngram
+        self.replacements = replacements
         self.translator = self._translator(replacements)
         if "draft" in self.spec_types and draft is None:
             raise SpecdecodeError("--spec-type draft needs a draft model (-md DIR)")
-        self.shared = SharedState(ngram, self.spec_types)
+        self.shared = shared if shared is not None else SharedState(ngram, self.spec_types)
 
     @classmethod
     def load(
@@ -74,6 +77,20 @@ class Pipeline:
         target = HFBackend.load(model, target_options)
         draft_backend = HFBackend.load(draft, draft_options) if draft is not None else None
         return cls(target, draft_backend, **kwargs)
+
+    def fork(self) -> Pipeline:
+        """A pipeline over the same weights with its own KV caches and per-generation state,
+        sharing this one's SharedState: one fork per generation run in parallel (the server's
+        slots). Needs backends that fork (HFBackend does)."""
+        return Pipeline(
+            self.target.fork(),
+            self.draft.fork() if self.draft is not None else None,
+            spec_types=self.spec_types,
+            draft_config=self.draft_config,
+            ngram=self.ngram,
+            replacements=self.replacements,
+            shared=self.shared,
+        )
 
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
         return self.target.tokenize(prompt) if isinstance(prompt, str) else list(prompt)

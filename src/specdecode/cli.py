@@ -21,8 +21,10 @@ from specdecode.bench import drafting as bench_drafting
 from specdecode.defaults import resolve_models
 from specdecode.errors import SpecdecodeError, read_text_file
 from specdecode.generate import GenerationConfig
+from specdecode.loadtest import add_loadtest_parser
 from specdecode.lookup import add_lookup_parser
 from specdecode.sampling import SamplingParams
+from specdecode.server import serve
 from specdecode.strategies import (
     AVAILABLE,
     DraftModelConfig,
@@ -228,6 +230,13 @@ def run_generate(args: argparse.Namespace) -> None:
     print(f"\nseed {run.stats.seed}\n{run.stats.format()}", file=sys.stderr)
 
 
+def run_serve(args: argparse.Namespace) -> None:
+    with serve.listen(args.host, args.port) as sock:
+        pipeline = pipeline_from_args(args)
+        settings = serve.settings_from_args(args, pipeline, sampling_from_args(args))
+        serve.run(pipeline, settings, sock)
+
+
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
     """Defaults shown after each flag; the strategy list kept one line per strategy."""
 
@@ -267,6 +276,19 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(ben)
     add_ngram_args(ben)
     ben.set_defaults(handler=lambda args: bench_command.run_bench(args, ngram_from_args(args)))
+
+    srv = commands.add_parser(
+        "serve",
+        help="an OpenAI-compatible HTTP server (completions, chat) with speculative decoding",
+        formatter_class=HelpFormatter,
+        epilog=strategies_epilog(),
+    )
+    serve.add_server_args(srv)
+    add_model_args(srv)
+    add_spec_args(srv)
+    add_sampling_args(srv, temperature=SamplingParams().temperature)
+    srv.set_defaults(handler=run_serve)
+    add_loadtest_parser(commands)
     add_lookup_parser(commands)
     add_train_parser(commands)
     add_eval_parser(commands)

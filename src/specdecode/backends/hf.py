@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -98,6 +99,19 @@ class HFBackend:
             n_batch=options.n_batch,
             threads=options.threads,
             name=directory.name,
+        )
+
+    def fork(self) -> HFBackend:
+        """A backend over the same weights with its own empty KV cache and its own copy of the
+        tokenizer (fast tokenizers must not be used from two threads at once): what lets
+        generations run in parallel threads without loading the model twice."""
+        return type(self)(
+            self.model,
+            copy.deepcopy(self.tokenizer),
+            n_ctx=self.n_ctx,
+            n_batch=self.n_batch,
+            threads=self.threads,
+            name=self.name,
         )
 
     @property

@@ -8,7 +8,8 @@ the loop or the chain.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -40,9 +41,11 @@ class NgramSettings:
 
 class SharedState:
     """What outlives a generation and is shared by all of them: the ngram-mod pool and the
-    ngram-cache files. Loading happens here, once, so a bad file fails before any work."""
+    ngram-cache files. Loading happens here, once, so a bad file fails before any work.
+    `lock` serialises the strategies that touch it, for generations running in parallel threads."""
 
     def __init__(self, settings: NgramSettings, names: list[str]) -> None:
+        self.lock = threading.Lock()
         self.mod_pool = NgramModPool(settings.mod.n_match) if "ngram-mod" in names else None
         uses_cache = "ngram-cache" in names
         self.cache_static = load(settings.cache_static) if uses_cache and settings.cache_static else None
@@ -88,15 +91,53 @@ def _shared(setup: SpecSetup) -> SharedState:
     return setup.shared
 
 
+class Synchronized:
+    """A strategy whose every call holds the shared state's lock, so that generations in
+    parallel threads never read the ngram-mod pool or the dynamic cache while another one
+    writes it (a dict merged while another thread iterates it fails). Uncontended, the lock
+    costs next to nothing next to a draft."""
+
+    def __init__(self, strategy: Strategy, lock: threading.Lock) -> None:
+        self.strategy = strategy
+        self.name = strategy.name
+        self.n_min = strategy.n_min
+        self._lock = lock
+
+    def begin(self, prompt: Sequence[int]) -> None:
+        with self._lock:
+            self.strategy.begin(prompt)
+
+    def draft(self, history: Sequence[int], last: int, n_max: int) -> Draft:
+        with self._lock:
+            return self.strategy.draft(history, last, n_max)
+
+    def accept(self, n_accepted: int) -> None:
+        with self._lock:
+            self.strategy.accept(n_accepted)
+
+    def end(self) -> None:
+        with self._lock:
+            self.strategy.end()
+
+
+def _build_ngram_mod(setup: SpecSetup) -> Strategy:
+    shared = _shared(setup)
+    return Synchronized(NgramModStrategy(setup.ngram.mod, shared.mod_pool), shared.lock)
+
+
+def _build_ngram_cache(setup: SpecSetup) -> Strategy:
+    shared = _shared(setup)
+    strategy = NgramCacheStrategy(shared.cache_static, shared.cache_dynamic, setup.ngram.cache_dynamic)
+    return Synchronized(strategy, shared.lock)
+
+
 FACTORIES: dict[str, Callable[[SpecSetup], Strategy]] = {
     "ngram-simple": lambda setup: NgramSimpleStrategy(setup.ngram.simple),
     "ngram-map-k": lambda setup: NgramMapStrategy(setup.ngram.map_k, key_only=True),
     # Classic llama.cpp built k4v from the map-k settings (a bug); its own flags apply here.
     "ngram-map-k4v": lambda setup: NgramMapStrategy(setup.ngram.map_k4v, key_only=False),
-    "ngram-mod": lambda setup: NgramModStrategy(setup.ngram.mod, _shared(setup).mod_pool),
-    "ngram-cache": lambda setup: NgramCacheStrategy(
-        _shared(setup).cache_static, _shared(setup).cache_dynamic, setup.ngram.cache_dynamic
-    ),
+    "ngram-mod": _build_ngram_mod,
+    "ngram-cache": _build_ngram_cache,
     "draft": _build_draft_model,
 }
 assert set(FACTORIES) <= set(PRIORITY), "every strategy needs its place in PRIORITY"

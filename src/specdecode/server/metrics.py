@@ -1,0 +1,112 @@
+"""Server counters in the Prometheus text format (GET /metrics), from GenerationStats.
+
+Generations finish in worker threads, so recording takes a lock. Counters count since start;
+gauges (slots busy, requests waiting, resident memory) are read when scraped.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import Counter
+from collections.abc import Iterable
+from pathlib import Path
+
+from specdecode.stats import GenerationStats
+
+PREFIX = "specdecode"
+OUTCOMES = ("completed", "cancelled", "failed")
+TOTALS = {
+    "prompt_tokens": "prompt tokens evaluated",
+    "generated_tokens": "tokens generated",
+    "target_passes": "target forward passes after the prompt",
+    "prompt_seconds": "time evaluating prompts",
+    "generation_seconds": "time generating after the prompt",
+    "draft_seconds": "time drafting",
+    "verify_seconds": "time in target verify passes",
+}
+
+
+class Metrics:
+    def __init__(self, strategies: Iterable[str]) -> None:
+        self._lock = threading.Lock()
+        self.requests: Counter[str] = Counter(dict.fromkeys(OUTCOMES, 0))
+        self.totals: Counter[str] = Counter(dict.fromkeys(TOTALS, 0))
+        self.drafted: Counter[str] = Counter({name: 0 for name in strategies})
+        self.accepted: Counter[str] = Counter({name: 0 for name in strategies})
+
+    def record(self, stats: GenerationStats) -> None:
+        """A generation that ran (to its end, or stopped because its client left)."""
+        outcome = "cancelled" if stats.stop_reason == "abandoned" else "completed"
+        with self._lock:
+            self.requests[outcome] += 1
+            self.totals.update(
+                prompt_tokens=stats.n_prompt,
+                generated_tokens=stats.n_generated,
+                target_passes=stats.n_passes,
+                prompt_seconds=stats.t_prompt,
+                generation_seconds=stats.t_generation,
+                draft_seconds=stats.t_draft,
+                verify_seconds=stats.t_verify,
+            )
+            for strategy in stats.strategies:
+                self.drafted[strategy.name] += strategy.counts.n_drafted
+                self.accepted[strategy.name] += strategy.counts.n_accepted
+
+    def record_failure(self) -> None:
+        """A generation that raised (a server bug: the request got a 500)."""
+        with self._lock:
+            self.requests["failed"] += 1
+
+    def render(self, slots: int, busy: int, waiting: int) -> str:
+        with self._lock:
+            lines = [
+                *_family(
+                    "requests_total", "counter", "generations run, by outcome", "outcome", self.requests
+                ),
+                *_family(
+                    "drafted_tokens_total",
+                    "counter",
+                    "draft tokens proposed, by strategy",
+                    "strategy",
+                    self.drafted,
+                ),
+                *_family(
+                    "accepted_tokens_total",
+                    "counter",
+                    "draft tokens accepted, by strategy",
+                    "strategy",
+                    self.accepted,
+                ),
+            ]
+            for name, help_text in TOTALS.items():
+                lines += _family(f"{name}_total", "counter", help_text, "", {"": self.totals[name]})
+        lines += _family("slots", "gauge", "generation slots (--parallel)", "", {"": slots})
+        lines += _family("requests_processing", "gauge", "slots generating now", "", {"": busy})
+        lines += _family("requests_waiting", "gauge", "requests queued for a free slot", "", {"": waiting})
+        memory = resident_memory_bytes()
+        if memory is not None:
+            lines += [
+                "# HELP process_resident_memory_bytes Resident memory size in bytes.",
+                "# TYPE process_resident_memory_bytes gauge",
+                f"process_resident_memory_bytes {memory}",
+            ]
+        return "\n".join(lines) + "\n"
+
+
+def _family(name: str, kind: str, help_text: str, label: str, values: dict) -> list[str]:
+    full = f"{PREFIX}_{name}"
+    lines = [f"# HELP {full} {help_text}", f"# TYPE {full} {kind}"]
+    for key, value in sorted(values.items(), key=lambda item: str(item[0])):
+        labels = f'{{{label}="{key}"}}' if label else ""
+        lines.append(f"{full}{labels} {value}")
+    return lines
+
+
+def resident_memory_bytes() -> int | None:
+    """Current resident set size (Linux /proc); None where the system does not expose it."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+    return pages * os.sysconf("SC_PAGE_SIZE")
