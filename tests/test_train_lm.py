@@ -186,6 +186,7 @@ def test_tokens_outside_the_vocabulary_are_refused(tokenizer, tmp_path):
         {"save_dtype": "float32"},
         {"distill_temperature": 0.0},
         {"threads": 0},
+        {"precision": "fp16"},
     ],
 )
 def test_bad_train_config(change):
