@@ -92,7 +92,7 @@ def test_heldout_prompts_are_deterministic(tmp_path: Path) -> None:
     assert prompts == heldout_prompts(list(reversed(files)), n_prompts=4, prompt_lines=5, seed=3)
     assert len(prompts) == 4
     for prompt in prompts:
-        assert prompt.count("\n") == 5 and prompt.startswith("def ")
+        assert prompt.count("\n") == 4 and prompt.startswith("def ") and not prompt.endswith("\n")
     assert heldout_prompts(files, n_prompts=4, prompt_lines=5, seed=4) != prompts
     assert len(heldout_prompts(files, n_prompts=100, prompt_lines=5)) == 6  # the short file skipped
     with pytest.raises(SpecdecodeError, match="lines a prompt needs"):

@@ -82,7 +82,9 @@ def functions_of(path: Path) -> Iterator[Function]:
 
 
 def completion_prompt(function: Function, index: int) -> str | None:
-    return function.header if function.docstring else None
+    """The header without its last newline: byte-level BPE merges a newline with the next
+    line's indentation, so a prompt ending in a bare newline ends where no training text did."""
+    return function.header.rstrip("\n") if function.docstring else None
 
 
 def editing_prompt(function: Function, index: int) -> str | None:
@@ -134,7 +136,7 @@ def free_prompts(files: Sequence[Path], count: int) -> list[str]:
     for path in files:
         lines = [line for line in read_text_file(path).split("\n") if line.strip()]
         if len(lines) >= 2 * FREE_PROMPT_LINES:
-            prompts.append("\n".join(lines[:FREE_PROMPT_LINES]) + "\n")
+            prompts.append("\n".join(lines[:FREE_PROMPT_LINES]))
         if len(prompts) == count:
             break
     return prompts

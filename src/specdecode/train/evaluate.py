@@ -61,7 +61,9 @@ def heldout_prompts(
     Files (sorted, then shuffled by `seed`) shorter than prompt_lines + 4 lines are skipped.
     A prompt starts at a `def` line chosen by `seed` among those with room for the prompt and
     4 more lines, or at the file's first line if there is none: a function header and the
-    start of its body, the case where completion matters.
+    start of its body, the case where completion matters. A prompt ends with its last line's
+    text, not with a newline: byte-level BPE merges a newline with the next line's indentation,
+    so a prompt cut after the newline would end on a token boundary never seen in training.
     """
     if n_prompts < 1 or prompt_lines < 1:
         raise SpecdecodeError("n_prompts and prompt_lines must be >= 1")
@@ -76,7 +78,7 @@ def heldout_prompts(
             continue
         starts = [i for i, line in enumerate(lines[: last_start + 1]) if line.lstrip().startswith("def ")]
         start = rng.choice(starts) if starts else 0
-        prompts.append("\n".join(lines[start : start + prompt_lines]) + "\n")
+        prompts.append("\n".join(lines[start : start + prompt_lines]).rstrip())
         if len(prompts) == n_prompts:
             break
     if not prompts:
