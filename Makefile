@@ -1,11 +1,10 @@
 # Two commands do everything on a fresh machine:
-#   make demo   set up, then run speculative generation and the plain-vs-speculative benchmark
+#   make demo   set up, then generate with the bundled pair and run the quick benchmark
 #   make test   set up, then run ruff and the whole test suite
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-DEMO := build/demo
-DEMO_PROMPT := def fibonacci(n):\n
+DEMO_PROMPT := import os\n\n\ndef read_lines(path):
 
 .PHONY: setup demo test lint clean
 
@@ -18,13 +17,10 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $@
 
-$(DEMO)/target/config.json: | setup
-	$(BIN)/python -m specdecode.testing $(DEMO)
-
-demo: setup $(DEMO)/target/config.json
-	$(BIN)/specdecode generate -m $(DEMO)/target -md $(DEMO)/draft --draft-max 8 --temp 0 -n 64 \
-		-p "$$(printf '$(DEMO_PROMPT)')"
-	$(BIN)/specdecode bench -m $(DEMO)/target -md $(DEMO)/draft --draft-max 8 -n 64 --runs 3
+# The bundled pair: a continuation with its speed and acceptance, then the quick benchmark.
+demo: setup
+	$(BIN)/specdecode generate --temp 0 -n 128 -p "$$(printf '$(DEMO_PROMPT)')"
+	$(BIN)/specdecode bench --quick --out build/bench-quick
 
 lint: setup
 	$(BIN)/ruff check src tests

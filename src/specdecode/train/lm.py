@@ -1,5 +1,8 @@
 """Training the shipped target from scratch and distilling a draft for any causal-LM target.
 
+A distilled draft's output scale is then calibrated (see `calibrate`), so that its top-1
+probability, which the p_min rule reads, is the chance that the target agrees with it.
+
 Both share one loop (`_train_loop`), parameterised by a loss function:
 
 * the target learns next-token cross-entropy on Python source;
@@ -37,6 +40,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
 from specdecode.backends.hf import HFBackend, LoadOptions
 from specdecode.errors import SpecdecodeError
+from specdecode.train.calibrate import calibrate_draft
 
 HARD_LOSS_WEIGHT = 0.1  # share of plain next-token cross-entropy in the distillation loss
 SAVE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -47,7 +51,9 @@ DEVICES = ("cpu", "cuda", "auto")
 CHECKPOINT_FILE = "checkpoint/state.pt"
 LOG_FILE = "train_log.json"
 # TrainConfig fields that may change between a run and its resumption.
-RESUMABLE_CHANGES = frozenset({"steps", "checkpoint_every", "save_dtype", "device", "threads"})
+RESUMABLE_CHANGES = frozenset(
+    {"steps", "checkpoint_every", "save_dtype", "device", "threads", "calibration_windows"}
+)
 
 LossFn = Callable[[LlamaForCausalLM, torch.Tensor], torch.Tensor]
 
@@ -120,8 +126,11 @@ class TrainConfig:
     precision: str = "bf16"
     distill_temperature: float = 1.0
     threads: int | None = None  # torch intra-op threads; None leaves torch's setting alone
+    calibration_windows: int = 32  # drafts: training windows that fit the confidence scale (0: none)
 
     def __post_init__(self) -> None:
+        if self.calibration_windows < 0:
+            raise SpecdecodeError(f"calibration_windows must be >= 0, not {self.calibration_windows}")
         positive = ("steps", "batch_size", "seq_len", "checkpoint_every")
         for name in positive:
             if getattr(self, name) < 1:
@@ -384,4 +393,8 @@ def train_draft(
     identity = {**_run_identity("draft", shape, config), "vocab_size": vocab_size}
     loss_fn = _distillation_loss(target, config.distill_temperature)
     log = _train_loop(draft, loss_fn, tokens, out_dir, identity, config, progress)
+    if config.calibration_windows:
+        log["calibration"] = calibrate_draft(
+            target, draft, tokens, config.calibration_windows, config.seq_len, config.seed
+        )
     return _save_result(draft, teacher.tokenizer, out_dir, log, config)
