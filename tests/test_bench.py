@@ -12,6 +12,7 @@ import pytest
 
 from specdecode.backends.hf import HFBackend
 from specdecode.bench.metrics import ideal_speedup, solve_alpha, summarize
+from specdecode.bench.plots import _pooled_positions, acceptance_by_position
 from specdecode.bench.suite import Measurement, rounds
 from specdecode.bench.systems import build_systems, system_names
 from specdecode.bench.tasks import TASK_NAMES, build_tasks
@@ -147,3 +148,27 @@ def test_systems_start_with_plain_whatever_the_order_asked(pair):
         ["hf-plain", "ngram-simple", "plain"], target, None, DraftModelConfig(), NgramSettings()
     )
     assert [s.name for s in systems] == ["plain", "ngram-simple", "hf-plain"]
+
+
+def test_acceptance_plot_pools_positions_where_late_positions_were_never_accepted(tmp_path):
+    rows = [
+        {"system": "draft", "accepted_by_position": [3], "drafted_by_position": [4, 2, 1]},
+        {"system": "draft", "accepted_by_position": [1, 1], "drafted_by_position": [2, 2]},
+    ]
+    assert _pooled_positions(rows) == ([4, 1, 0], [6, 4, 1])
+    path = acceptance_by_position(rows, tmp_path / "acceptance.png")
+    assert path.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_every_run_of_ours_starts_cold(pair):
+    """The ngram-mod pool of one run must not replay the previous run of the same prompt."""
+    target = HFBackend.load(pair[0])
+    (system,) = [
+        s
+        for s in build_systems(["plain", "ngram-mod"], target, None, DraftModelConfig(), NgramSettings())
+        if s.name == "ngram-mod"
+    ]
+    prompt = target.tokenize("def f(x):\n    return x")
+    first, second = system.run(prompt, 40), system.run(prompt, 40)
+    assert first.tokens == second.tokens
+    assert first.stats.totals.n_drafted == second.stats.totals.n_drafted

@@ -72,6 +72,7 @@ def _counters(runs: Sequence[Measurement]) -> dict:
         "acceptance_rate": counts.acceptance_rate,
         "acceptance_by_position": counts.acceptance_by_position,
         "drafted_by_position": counts.drafted_per_pos,
+        "accepted_by_position": counts.accepted_per_pos,
         "tokens_per_pass": tokens_per_pass,
         "draft_tokens_per_pass": gamma,
         "alpha": alpha,

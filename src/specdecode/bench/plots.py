@@ -48,19 +48,19 @@ def acceptance_by_position(rows: Sequence[dict], path: Path) -> Path:
     return _save(figure, path)
 
 
-def _pooled_positions(rows: Sequence[dict]) -> tuple[list[float], list[float]]:
-    """Accepted and drafted counts per position, rebuilt from each row's rates and drafts."""
-    accepted: list[float] = []
-    drafted: list[float] = []
+def _pooled_positions(rows: Sequence[dict]) -> tuple[list[int], list[int]]:
+    """Accepted and drafted counts per draft position, summed over rows (tasks)."""
+    accepted: list[int] = []
+    drafted: list[int] = []
     for row in rows:
-        for i, (rate, count) in enumerate(
-            zip(row.get("acceptance_by_position", []), row.get("drafted_by_position", []), strict=True)
+        for pooled, counts in (
+            (accepted, row.get("accepted_by_position", [])),
+            (drafted, row.get("drafted_by_position", [])),
         ):
-            if i == len(drafted):
-                accepted.append(0.0)
-                drafted.append(0.0)
-            accepted[i] += rate * count
-            drafted[i] += count
+            pooled.extend([0] * (len(counts) - len(pooled)))
+            for i, count in enumerate(counts):
+                pooled[i] += count
+    accepted.extend([0] * (len(drafted) - len(accepted)))
     return accepted, drafted
 
 

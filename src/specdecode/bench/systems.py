@@ -9,7 +9,7 @@ End-of-generation tokens do not stop any system: every run does the same amount 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -47,16 +47,25 @@ class System(Protocol):
 
 
 class OursSystem:
+    """Our pipeline, started cold on every run: a fresh pipeline (so the ngram-mod pool and the
+    n-gram caches have not seen the previous run of the same prompt, which they would replay)
+    over backends whose KV caches are emptied (so no run skips its prompt's evaluation, as
+    Hugging Face's `generate` never does)."""
+
     family = "ours"
 
-    def __init__(self, name: str, pipeline: Pipeline) -> None:
+    def __init__(self, name: str, make_pipeline: Callable[[], Pipeline]) -> None:
         self.name = name
-        self.pipeline = pipeline
+        self.make_pipeline = make_pipeline
 
     def run(self, prompt: list[int], n_predict: int) -> Run:
         config = GenerationConfig(n_predict=n_predict, ignore_eos=True)
+        pipeline = self.make_pipeline()
+        for backend in (pipeline.target, pipeline.draft):
+            if backend is not None:
+                backend.truncate(0)
         began = time.perf_counter()
-        result = self.pipeline.generate(prompt, GREEDY, config)
+        result = pipeline.generate(prompt, GREEDY, config)
         return Run(result.tokens, time.perf_counter() - began, result.stats)
 
 
@@ -135,29 +144,25 @@ def _system(
     if name == "hf-assisted":
         return HFSystem(name, target, assistant=draft)
     spec_types = [] if name == "plain" else sorted(name.split(","), key=PRIORITY.index)
-    pipeline = Pipeline(
-        target,
-        draft if "draft" in spec_types else None,
-        spec_types=spec_types,
-        draft_config=draft_config,
-        ngram=ngram,
+    return OursSystem(
+        name,
+        lambda: Pipeline(
+            target,
+            draft if "draft" in spec_types else None,
+            spec_types=spec_types,
+            draft_config=draft_config,
+            ngram=ngram,
+        ),
     )
-    return OursSystem(name, pipeline)
 
 
 def draft_max_systems(
     values: Sequence[int], target: HFBackend, draft: HFBackend, draft_config: DraftModelConfig
 ) -> list[System]:
     """The draft strategy at several --draft-max values (for the speed-up vs draft-max sweep)."""
-    return [
-        OursSystem(
-            f"draft-max {n_max}",
-            Pipeline(
-                target,
-                draft,
-                spec_types=["draft"],
-                draft_config=replace(draft_config, n_max=n_max, n_min=min(draft_config.n_min, n_max)),
-            ),
-        )
-        for n_max in values
-    ]
+
+    def pipeline_at(n_max: int) -> Callable[[], Pipeline]:
+        config = replace(draft_config, n_max=n_max, n_min=min(draft_config.n_min, n_max))
+        return lambda: Pipeline(target, draft, spec_types=["draft"], draft_config=config)
+
+    return [OursSystem(f"draft-max {n_max}", pipeline_at(n_max)) for n_max in values]
