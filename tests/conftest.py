@@ -14,6 +14,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
@@ -232,3 +233,70 @@ class CountingSampler(Sampler):
     def uniform(self) -> float:
         self.n_uniform += 1
         return super().uniform()
+
+
+# --------------------------------------------------------------------------- EAGLE-3
+
+EAGLE3_LAYERS = (0, 2, 4)
+# Output projections of every layer scaled by this: the target's next token then depends
+# mostly on the current token, with a little context, which a one-layer head learns in a few
+# seconds (a target as chaotic as the ones above would take minutes). Heads for real targets
+# are `specdecode train eagle3`'s job.
+EAGLE3_LAYER_SCALE = 0.005
+
+
+@functools.cache
+def eagle3_target() -> LlamaForCausalLM:
+    """A 4-layer target, so that a head can read layers 0, 2 and 4 (the last one's output)."""
+    model = make_llama(
+        VOCAB_SIZE, hidden=32, layers=4, heads=4, kv_heads=2, init_std=INIT_STD, seed=2, max_positions=1024
+    )
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.mul_(EAGLE3_LAYER_SCALE)
+            layer.mlp.down_proj.weight.mul_(EAGLE3_LAYER_SCALE)
+    return _sharpen(model, SHARPEN)
+
+
+@functools.cache
+def eagle3_corpus(n_sequences: int = 48, length: int = 40) -> np.ndarray:
+    """The target's own sampled generations (temperature 0.7) from random prompts: what a head
+    for it should learn to predict."""
+    model = eagle3_target()
+    rng = np.random.default_rng(0)
+    pieces = []
+    with torch.no_grad():
+        for index in range(n_sequences):
+            ids = torch.tensor([rng.integers(3, VOCAB_SIZE, int(rng.integers(2, 8))).tolist()])
+            generator = torch.Generator().manual_seed(index)
+            for _ in range(length):
+                logits = model(input_ids=ids).logits[0, -1] / 0.7
+                token = torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)
+                ids = torch.cat([ids, token[None]], dim=1)
+            pieces.append(ids[0].numpy())
+    return np.concatenate(pieces).astype(np.int32)
+
+
+@functools.cache
+def eagle3_head(steps: int = 200, draft_vocab: int = 200):
+    """A float64 head for `eagle3_target()`, trained for a few seconds with the training-time
+    test loss on the target's generations: it agrees with the target often, not always."""
+    from specdecode.eagle3.train import HeadShape, draft_vocabulary, new_head, ttt_loss
+    from specdecode.train.lm import sample_batch
+
+    target = eagle3_target()
+    tokens = eagle3_corpus()
+    shape = HeadShape(
+        heads=4, kv_heads=2, intermediate=64, draft_vocab=draft_vocab, unroll=3, layer_ids=EAGLE3_LAYERS
+    )
+    head = new_head(target, shape, draft_vocabulary(tokens, VOCAB_SIZE, draft_vocab), seed=0)
+    loss_fn = ttt_loss(target, shape.unroll)
+    optimizer = torch.optim.Adam(head.parameters(), lr=1e-2)
+    generator = torch.Generator().manual_seed(0)
+    head.train()
+    for _ in range(steps):
+        loss = loss_fn(head, sample_batch(tokens, 8, 32, generator))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return head.eval().requires_grad_(False)

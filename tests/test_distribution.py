@@ -20,6 +20,7 @@ import torch
 from scipy import stats
 
 from specdecode import DraftModelConfig, GenerationConfig, HFBackend, Pipeline, SamplingParams
+from specdecode.eagle3.train import HeadShape, new_head, ttt_loss
 from specdecode.sampling import Sampler, distribution
 from specdecode.testing import make_llama, make_tokenizer, perturbed_copy
 from specdecode.verify import verify_rejection
@@ -355,3 +356,55 @@ def test_end_to_end_rejection_with_penalties_matches_target_distribution(e2e_mod
     assert chi_square_pvalue(counts, target_joint) > ALPHA
     # power: the joint without the penalty is rejected by the same test
     assert chi_square_pvalue(counts, exact_joint(target, tokenizer, prompt, 3, e2e_params())) < ALPHA
+
+
+@pytest.fixture(scope="module")
+def e2e_head(e2e_models):
+    """An EAGLE-3 head for the end-to-end target (layers 0, 1 and 1: the target has one), over
+    200 of its 270 ids (part of p lies outside the head's vocabulary), trained for a moment on
+    the target's samples after the test's prompt, so that it agrees with the target often."""
+    tokenizer, target, _ = e2e_models
+    d2t = torch.randperm(len(tokenizer), generator=torch.Generator().manual_seed(0))[:200].sort().values
+    shape = HeadShape(heads=2, kv_heads=1, intermediate=32, draft_vocab=200, unroll=2, layer_ids=(0, 1, 1))
+    head = new_head(target, shape, d2t, seed=5)
+    prompt = tokenizer("def f(x):")["input_ids"]
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        ids = torch.tensor([prompt] * 64)
+        for _ in range(3):
+            probs = torch.softmax(target(input_ids=ids).logits[:, -1], dim=-1)
+            ids = torch.cat([ids, torch.multinomial(probs, 1, generator=generator)], dim=1)
+    loss_fn = ttt_loss(target, shape.unroll)
+    optimizer = torch.optim.Adam(head.parameters(), lr=1e-2)
+    for _ in range(100):
+        loss = loss_fn(head, ids)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return head.eval().requires_grad_(False)
+
+
+@pytest.mark.slow
+def test_end_to_end_rejection_with_eagle3_matches_target_distribution(e2e_models, e2e_head, one_thread):
+    """The same fit with an EAGLE-3 head drafting by sampling from its own distribution (zero
+    outside its draft vocabulary): 2500 seeds, alpha 0.001, and drafts both kept and rejected."""
+    tokenizer, target, _ = e2e_models
+    pipe = Pipeline(
+        HFBackend(target, tokenizer, n_ctx=64),
+        eagle3=e2e_head,
+        draft_config=DraftModelConfig(n_max=3, p_min=0.0),
+    )
+    prompt = pipe.encode("def f(x):")
+    counts, n_drafted, n_accepted = sample_first_three(pipe, prompt, E2E_SEEDS, "rejection")
+    target_joint = exact_joint(target, tokenizer, prompt, 3, e2e_params())
+    assert chi_square_pvalue(counts, target_joint) > ALPHA
+    assert n_drafted >= E2E_SEEDS * 2
+    assert 0.2 < n_accepted / n_drafted < 0.95, n_accepted / n_drafted  # about 0.34
+    # power: the same counts reject a 20% contamination of p by another model's joint
+    _, _, draft = e2e_models
+    draft_joint = exact_joint(draft, tokenizer, prompt, 3, e2e_params())
+    mixture = {
+        c: 0.8 * target_joint.get(c, 0.0) + 0.2 * draft_joint.get(c, 0.0)
+        for c in {*target_joint, *draft_joint}
+    }
+    assert chi_square_pvalue(counts, mixture) < ALPHA

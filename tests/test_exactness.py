@@ -13,13 +13,22 @@ import copy
 
 import pytest
 import torch
-from conftest import INDEPENDENT, NOISES, VOCAB_SIZE, TargetSpec, target_model
+from conftest import (
+    INDEPENDENT,
+    NOISES,
+    VOCAB_SIZE,
+    TargetSpec,
+    cached_tokenizer,
+    eagle3_head,
+    eagle3_target,
+    target_model,
+)
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from specdecode import DraftModelConfig, GenerationConfig, HFBackend, Pipeline, SamplingParams
 from specdecode.sampling import Sampler, greedy_token
-from specdecode.testing import truncated_copy
+from specdecode.testing import perturbed_copy, truncated_copy
 
 GREEDY = SamplingParams(temperature=0)
 DRAFT_KINDS = (*NOISES, INDEPENDENT)
@@ -224,6 +233,42 @@ def test_until_context_full_is_exact(
     result = Pipeline(target, draft, draft_config=draft_config).generate(prompt, sampling, config)
     check_same(result, expected)
     exactness_log.record("until-context-full", str(kind), result.stats)
+
+
+eagle3_chains = st.sampled_from([["eagle3"], ["eagle3"], ["draft", "eagle3"], ["ngram-simple", "eagle3"]])
+
+
+@settings(max_examples=25, **SETTINGS)
+@given(
+    types=eagle3_chains,
+    prompt=prompts,
+    draft_config=draft_configs,
+    n_predict=n_predicts,
+    ignore_eos=st.booleans(),
+    verify=st.sampled_from(["match", "rejection"]),
+    temperature=st.sampled_from([0.0, 0.0, 0.8]),
+    seed=st.integers(0, 2**32 - 1),
+    stop=st.sampled_from([(), (), ("e",)]),
+)
+def test_eagle3_speculation_equals_plain(
+    exactness_log, types, prompt, draft_config, n_predict, ignore_eos, verify, temperature, seed, stop
+):
+    """EAGLE-3 alone and in chains, on conftest's EAGLE-3 target with its briefly trained head:
+    greedy (either verification) and `match` at temperature 0.8 give plain generation's tokens."""
+    if temperature > 0:
+        verify = "match"  # rejection sampling is checked for its distribution, not its tokens
+    sampling = SamplingParams(temperature=temperature, seed=seed)
+    config = GenerationConfig(n_predict=n_predict, ignore_eos=ignore_eos, verify=verify, stop=stop)
+    tokenizer = cached_tokenizer()
+    target = eagle3_target()
+    expected = Pipeline(HFBackend(target, tokenizer)).generate(prompt, sampling, config)
+    draft = HFBackend(perturbed_copy(target, 1.0), tokenizer) if "draft" in types else None
+    pipe = Pipeline(
+        HFBackend(target, tokenizer), draft, eagle3=eagle3_head(), spec_types=types, draft_config=draft_config
+    )
+    result = pipe.generate(prompt, sampling, config)
+    check_same(result, expected)
+    exactness_log.record(f"eagle3/{verify}", ",".join(types), result.stats, result.stats.stop_reason)
 
 
 # --------------------------------------------------------------------------- deterministic cases

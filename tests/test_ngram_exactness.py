@@ -10,11 +10,11 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from conftest import TargetSpec
+from conftest import TargetSpec, cached_tokenizer, eagle3_head, eagle3_target
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from specdecode import DraftModelConfig, GenerationConfig, Pipeline, SamplingParams
+from specdecode import DraftModelConfig, GenerationConfig, HFBackend, Pipeline, SamplingParams
 from specdecode.strategies import AVAILABLE, NgramMapConfig, NgramModConfig, NgramSettings
 
 GREEDY = SamplingParams(temperature=0)
@@ -56,6 +56,26 @@ def test_every_ngram_combination_is_exact(zoo, exactness_log, types, with_draft)
     assert sum(s.counts.n_drafted for s in stats.strategies) == stats.totals.n_drafted
     assert sum(s.counts.n_accepted for s in stats.strategies) == stats.totals.n_accepted
     exactness_log.record("ngram/" + ("with-draft" if with_draft else "alone"), ",".join(types), stats)
+
+
+@pytest.mark.parametrize("types", [[name] for name in NGRAM_TYPES] + [NGRAM_TYPES], ids=",".join)
+def test_ngram_strategies_chained_with_eagle3_are_exact(exactness_log, types):
+    """Each n-gram strategy (and all of them) before EAGLE-3, on conftest's EAGLE-3 target."""
+    tokenizer, target = cached_tokenizer(), eagle3_target()
+    config = GenerationConfig(n_predict=48, ignore_eos=True)
+    prompt = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6]
+    expected = Pipeline(HFBackend(target, tokenizer)).generate(prompt, GREEDY, config)
+    pipeline = Pipeline(
+        HFBackend(target, tokenizer),
+        eagle3=eagle3_head(),
+        spec_types=[*types, "eagle3"],
+        draft_config=DraftModelConfig(n_max=6, p_min=0.0),
+        ngram=SMALL,
+    )
+    result = pipeline.generate(prompt, GREEDY, config)
+    assert result.tokens == expected.tokens
+    assert result.stats.strategies[-1].name == "eagle3" and result.stats.strategies[-1].n_gen_drafts > 0
+    exactness_log.record("ngram/with-eagle3", ",".join(types), result.stats)
 
 
 def test_ngram_strategies_do_draft_on_repetitive_output(zoo):

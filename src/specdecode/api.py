@@ -1,7 +1,7 @@
 """The Python API: load a target (and a draft) once, generate many times.
 
 from specdecode import Pipeline, SamplingParams, GenerationConfig
-pipe = Pipeline.load("path/to/target", draft="path/to/draft")
+pipe = Pipeline.load("path/to/target", draft="path/to/draft")  # or eagle3="path/to/head"
 result = pipe.generate("def fib(n):", SamplingParams(temperature=0), GenerationConfig(n_predict=64))
 print(result.text, result.stats.tokens_per_pass)
 for chunk in (run := pipe.stream("def fib(n):")):
@@ -18,6 +18,8 @@ from pathlib import Path
 from specdecode.backends import Backend
 from specdecode.backends.hf import HFBackend, LoadOptions
 from specdecode.chain import Chain
+from specdecode.eagle3.checkpoint import load_head
+from specdecode.eagle3.head import Eagle3Head
 from specdecode.errors import SpecdecodeError
 from specdecode.generate import Generation, GenerationConfig
 from specdecode.sampling import Sampler, SamplingParams
@@ -34,7 +36,7 @@ class Result:
 
 
 class Pipeline:
-    """A target model, an optional draft model and the strategies to use with them."""
+    """A target model, an optional draft model and EAGLE-3 head, and the strategies to use."""
 
     def __init__(
         self,
@@ -46,22 +48,30 @@ class Pipeline:
         ngram: NgramSettings = NgramSettings(),
         replacements: Sequence[tuple[str, str]] | None = None,
         shared: SharedState | None = None,
+        eagle3: Eagle3Head | None = None,
     ) -> None:
-        """spec_types: enabled strategy names (None: "draft" when a draft is given, else none).
+        """spec_types: enabled strategy names (None: "draft" when a draft is given and "eagle3"
+        when a head is, else none).
         ngram: settings of the model-free strategies; their shared state (the ngram-mod pool,
         the ngram-cache files) lives as long as the pipeline.
         replacements: (target text, draft text) pairs; given (even empty), a draft whose
         vocabulary differs is used through text translation instead of being refused.
-        shared: state to share with other pipelines (see `fork`); None makes the pipeline's own."""
+        shared: state to share with other pipelines (see `fork`); None makes the pipeline's own.
+        eagle3: a head loaded for this target (`specdecode.eagle3.load_head`)."""
         self.target = target
         self.draft = draft
-        self.spec_types = list(spec_types) if spec_types is not None else (["draft"] if draft else [])
+        self.eagle3 = eagle3
+        if spec_types is None:
+            spec_types = (["draft"] if draft else []) + (["eagle3"] if eagle3 is not None else [])
+        self.spec_types = list(spec_types)
         self.draft_config = draft_config
         self.ngram = ngram
         self.replacements = replacements
         self.translator = self._translator(replacements)
         if "draft" in self.spec_types and draft is None:
             raise SpecdecodeError("--spec-type draft needs a draft model (-md DIR)")
+        if "eagle3" in self.spec_types and eagle3 is None:
+            raise SpecdecodeError("--spec-type eagle3 needs an EAGLE-3 head (-me DIR)")
         self.shared = shared if shared is not None else SharedState(ngram, self.spec_types)
 
     @classmethod
@@ -70,13 +80,15 @@ class Pipeline:
         model: str | Path,
         draft: str | Path | None = None,
         *,
+        eagle3: str | Path | None = None,
         target_options: LoadOptions = LoadOptions(),
         draft_options: LoadOptions = LoadOptions(),
         **kwargs,
     ) -> Pipeline:
         target = HFBackend.load(model, target_options)
         draft_backend = HFBackend.load(draft, draft_options) if draft is not None else None
-        return cls(target, draft_backend, **kwargs)
+        head = load_head(eagle3, target) if eagle3 is not None else None
+        return cls(target, draft_backend, eagle3=head, **kwargs)
 
     def fork(self) -> Pipeline:
         """A pipeline over the same weights with its own KV caches and per-generation state,
@@ -90,6 +102,7 @@ class Pipeline:
             ngram=self.ngram,
             replacements=self.replacements,
             shared=self.shared,
+            eagle3=self.eagle3,
         )
 
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
@@ -111,6 +124,7 @@ class Pipeline:
             draft_backend=self.draft,
             draft=self.draft_config,
             translator=self.translator,
+            eagle3_head=self.eagle3,
             ngram=self.ngram,
             shared=self.shared,
         )

@@ -18,7 +18,7 @@ from specdecode.api import Pipeline
 from specdecode.backends.hf import DTYPES, LoadOptions
 from specdecode.bench import command as bench_command
 from specdecode.bench import drafting as bench_drafting
-from specdecode.defaults import resolve_models
+from specdecode.defaults import resolve_eagle3, resolve_models
 from specdecode.errors import SpecdecodeError, read_text_file
 from specdecode.generate import GenerationConfig
 from specdecode.loadtest import add_loadtest_parser
@@ -45,6 +45,7 @@ STRATEGY_HELP = {
     "ngram-mod": "a hashed pool of n-gram -> next token shared by all generations; long drafts (48-64)",
     "ngram-cache": "1- to 4-gram statistics of the context, a dynamic (-lcd) and a static (-lcs) cache file",
     "draft": "a small draft model (-md) of the same vocabulary proposes up to --draft-max tokens",
+    "eagle3": "an EAGLE-3 head (-me) over the target's own hidden states proposes up to --draft-max tokens",
 }
 
 
@@ -58,6 +59,13 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "-md", "--model-draft", type=Path, help="draft model directory (enables --spec-type draft)"
+    )
+    group.add_argument(
+        "-me",
+        "--model-eagle3",
+        type=Path,
+        help="EAGLE-3 head directory (enables --spec-type eagle3; default with the bundled target: "
+        "the bundled head)",
     )
     group.add_argument("-c", "--ctx-size", type=int, default=0, help="target context size (0: the model's)")
     group.add_argument(
@@ -180,8 +188,12 @@ def ngram_from_args(args: argparse.Namespace) -> NgramSettings:
 
 
 def pipeline_from_args(args: argparse.Namespace) -> Pipeline:
-    args.model, args.model_draft = resolve_models(args.model, args.model_draft)
     spec_types = parse_spec_types(args.spec_type) if args.spec_type is not None else None
+    if spec_types is None and args.model_eagle3 is not None:
+        # -me enables eagle3 as -md enables draft: both given, both run (draft first)
+        spec_types = (["draft"] if args.model_draft is not None else []) + ["eagle3"]
+    head = resolve_eagle3(args.model, args.model_eagle3) if spec_types and "eagle3" in spec_types else None
+    args.model, args.model_draft = resolve_models(args.model, args.model_draft)
     target_options = LoadOptions(args.device, args.dtype, args.threads, args.ctx_size, args.batch_size)
     draft_options = LoadOptions(
         args.device_draft or args.device,
@@ -194,6 +206,7 @@ def pipeline_from_args(args: argparse.Namespace) -> Pipeline:
     return Pipeline.load(
         args.model,
         args.model_draft if needs_draft else None,
+        eagle3=head,
         target_options=target_options,
         draft_options=draft_options,
         spec_types=spec_types,

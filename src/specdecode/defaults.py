@@ -1,7 +1,8 @@
-"""The default model pair the package carries: what runs when no -m is given.
+"""The default models the package carries: what runs when no -m is given.
 
 The pair lives in `specdecode/models/target` and `specdecode/models/draft` (Hugging Face
-directories, shipped as package data). An installation without them still works with -m/-md;
+directories, shipped as package data), with an EAGLE-3 head for the target in
+`specdecode/models/eagle3`. An installation without them still works with -m/-md;
 asked for the defaults, it says how to make a pair with `specdecode train`.
 """
 
@@ -32,3 +33,16 @@ def resolve_models(model: Path | None, draft: Path | None) -> tuple[Path, Path |
         return model, draft
     bundled_target, bundled_draft = bundled_pair()
     return bundled_target, draft or bundled_draft
+
+
+def bundled_eagle3() -> Path | None:
+    head = BUNDLED / "eagle3"
+    return head if (head / "config.json").is_file() else None
+
+
+def resolve_eagle3(model: Path | None, head: Path | None) -> Path | None:
+    """The EAGLE-3 head to load when eagle3 is asked for: as given, or the bundled one when the
+    bundled target is used (a head fits only the target it was trained for)."""
+    if head is not None or model is not None:
+        return head
+    return bundled_eagle3()

@@ -4,6 +4,11 @@ A backend owns one model, its tokenizer and one KV cache. The cache holds `token
 evaluated so far, in order); `evaluate` appends new tokens after them and returns logits for
 every new row, so a verify step scores [last, d0, ..., d(k-1)] in one forward pass.
 Rolling back is `truncate(n)`: a length change, never a re-evaluation.
+
+Some strategies (EAGLE-3) also read the target's hidden states. That is an optional
+capability (`HiddenStates`): a backend that has it records the chosen layers' features for
+every cached position once asked (`capture_hidden`), and costs nothing until then; a
+backend without it is refused by `hidden_state_source` with a clear error.
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+
+from specdecode.errors import SpecdecodeError
 
 
 @dataclass(frozen=True)
@@ -55,6 +62,42 @@ class Backend(Protocol):
     def truncate(self, n: int) -> None:
         """Keep the first n cached positions and forget the rest."""
         ...
+
+
+class HiddenStates(Protocol):
+    """A backend that can expose its model's residual stream (what EAGLE-3 heads read).
+
+    Feature row p is the concatenation, in `layer_ids` order, of the residual-stream input
+    to decoder layer l at position p (the final hidden state before the output norm when
+    l == n_layers). Rows stay aligned with `tokens`: `truncate` trims them, and positions
+    re-used from the cache keep the rows recorded when they were evaluated.
+    """
+
+    n_layers: int
+    hidden_size: int
+
+    def capture_hidden(self, layer_ids: Sequence[int]) -> None:
+        """Record these layers from now on (an empty list stops recording). When the choice
+        changes, the cache is emptied: earlier positions have no rows for the new layers."""
+        ...
+
+    def hidden_states(self, start: int, end: int) -> torch.Tensor:
+        """Feature rows [end - start, len(layer_ids) * hidden_size] of cached positions start..end-1."""
+        ...
+
+    def input_embeddings(self) -> torch.Tensor:
+        """The token embedding matrix [V, hidden_size] (shared with heads that carry none)."""
+        ...
+
+
+def hidden_state_source(backend: Backend, why: str) -> HiddenStates:
+    """`backend` as a HiddenStates, or a clear error naming who needed it."""
+    needed = ("capture_hidden", "hidden_states", "input_embeddings", "n_layers", "hidden_size")
+    if not all(hasattr(backend, name) for name in needed):
+        raise SpecdecodeError(
+            f"{why} needs the target's hidden states, which {type(backend).__name__} cannot expose"
+        )
+    return backend  # type: ignore[return-value]
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

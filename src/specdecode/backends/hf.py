@@ -20,6 +20,7 @@ from transformers import (
 )
 
 from specdecode.backends import VocabInfo
+from specdecode.backends.hidden import HiddenRecorder, recording
 from specdecode.errors import SpecdecodeError
 
 DTYPES = {
@@ -68,6 +69,9 @@ class HFBackend:
         self._texts: list[str] | None = None
         self._tokens: list[int] = []
         self._cache = DynamicCache(config=model.config)
+        self._recorder: HiddenRecorder | None = None  # set by capture_hidden
+        self.n_layers = int(model.config.num_hidden_layers)
+        self.hidden_size = int(model.config.hidden_size)
 
     @classmethod
     def load(cls, path: str | Path, options: LoadOptions = LoadOptions()) -> HFBackend:
@@ -113,6 +117,30 @@ class HFBackend:
             threads=self.threads,
             name=self.name,
         )
+
+    def capture_hidden(self, layer_ids: Sequence[int]) -> None:
+        """See `specdecode.backends.HiddenStates`."""
+        layer_ids = [int(layer) for layer in layer_ids]
+        current = self._recorder.layer_ids if self._recorder is not None else []
+        if layer_ids == current:
+            return
+        bad = [layer for layer in layer_ids if not 0 <= layer <= self.n_layers]
+        if bad:
+            raise SpecdecodeError(
+                f"{self.name}: hidden-state layer {bad[0]} does not exist (layers 0..{self.n_layers}, "
+                f"{self.n_layers} meaning the output of the last one)"
+            )
+        self.truncate(0)  # cached positions have no rows for the new choice
+        self._recorder = HiddenRecorder(self.model, layer_ids, self.hidden_size) if layer_ids else None
+
+    def hidden_states(self, start: int, end: int) -> torch.Tensor:
+        if self._recorder is None:
+            raise SpecdecodeError(f"{self.name}: hidden states were not captured (call capture_hidden first)")
+        assert 0 <= start <= end <= len(self._tokens), (start, end, len(self._tokens))
+        return self._recorder.rows(start, end)
+
+    def input_embeddings(self) -> torch.Tensor:
+        return self.model.get_input_embeddings().weight
 
     @property
     def tokens(self) -> list[int]:
@@ -163,12 +191,15 @@ class HFBackend:
         else:
             self._cache.crop(n - len(self._tokens))
         del self._tokens[n:]
+        if self._recorder is not None:
+            self._recorder.truncate(n)
 
     def _forward(self, chunk: Sequence[int], keep: int) -> torch.Tensor:
         input_ids = torch.tensor([list(chunk)], dtype=torch.long, device=self.device)  # [1, T]
-        out = self.model(
-            input_ids=input_ids, past_key_values=self._cache, use_cache=True, logits_to_keep=keep
-        )
+        with recording(self._recorder):
+            out = self.model(
+                input_ids=input_ids, past_key_values=self._cache, use_cache=True, logits_to_keep=keep
+            )
         self._cache = out.past_key_values
         self._tokens.extend(chunk)
         return out.logits

@@ -3,6 +3,7 @@
 specdecode bench --quick              # the bundled pair, 1 prompt per task, under 2 minutes
 specdecode bench --out bench-results  # the full suite: 3 prompts per task, 128 tokens, 3 runs
 specdecode bench -m TARGET -md DRAFT --systems plain,draft,hf-plain,hf-assisted
+specdecode bench -m TARGET -md DRAFT -me HEAD --systems plain,draft,eagle3 --tasks completion
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from specdecode.bench.report import print_tables, sweep_lines, write_outputs
 from specdecode.bench.suite import Measurement, rounds, run_suite
 from specdecode.bench.systems import System, build_systems, draft_max_systems, system_names
 from specdecode.bench.tasks import TASK_NAMES, Task, build_tasks, custom_task
-from specdecode.defaults import resolve_models
+from specdecode.defaults import resolve_eagle3, resolve_models
+from specdecode.eagle3 import Eagle3Head, load_head
 from specdecode.errors import SpecdecodeError, read_text_file
 from specdecode.generate import check_room
 from specdecode.strategies import DraftModelConfig, NgramSettings
@@ -101,7 +103,9 @@ def bench_tasks(args: argparse.Namespace, per_task: int) -> list[Task]:
     return build_tasks([name.strip() for name in args.tasks.split(",") if name.strip()], per_task)
 
 
-def load_models(args: argparse.Namespace) -> tuple[HFBackend, HFBackend | None]:
+def load_models(args: argparse.Namespace) -> tuple[HFBackend, HFBackend | None, Eagle3Head | None]:
+    """Target, draft and EAGLE-3 head (-me, or the bundled head with the bundled target)."""
+    head = resolve_eagle3(args.model, args.model_eagle3)
     model, draft = resolve_models(args.model, args.model_draft)
     target = HFBackend.load(
         model, LoadOptions(args.device, args.dtype, args.threads, args.ctx_size, args.batch_size)
@@ -113,20 +117,21 @@ def load_models(args: argparse.Namespace) -> tuple[HFBackend, HFBackend | None]:
         args.ctx_size_draft,
         args.batch_size,
     )
-    return target, HFBackend.load(draft, draft_options) if draft is not None else None
+    draft_backend = HFBackend.load(draft, draft_options) if draft is not None else None
+    return target, draft_backend, load_head(head, target) if head is not None else None
 
 
 def run_bench(args: argparse.Namespace, ngram: NgramSettings) -> None:
     chosen = settings(args)
     tasks = bench_tasks(args, chosen["prompts_per_task"])
-    target, draft = load_models(args)
+    target, draft, eagle3 = load_models(args)
     draft_config = DraftModelConfig(args.draft_max, args.draft_min, args.draft_p_min)
     names = (
         [name.strip() for name in args.systems.split(",")]
         if args.systems
-        else system_names(draft is not None, include_hf=not args.no_hf)
+        else system_names(draft is not None, include_hf=not args.no_hf, has_eagle3=eagle3 is not None)
     )
-    systems = build_systems(names, target, draft, draft_config, ngram)
+    systems = build_systems(names, target, draft, draft_config, ngram, eagle3)
     for task in tasks:
         for prompt in task.prompts:
             check_room(target.tokenize(prompt), chosen["n_predict"], target.n_ctx)
@@ -139,6 +144,8 @@ def run_bench(args: argparse.Namespace, ngram: NgramSettings) -> None:
     results = {"settings": chosen, "machine": _machine(target), "systems": [s.name for s in systems]}
     results |= {"tasks": {t.name: list(t.prompts) for t in tasks}, "rows": rows, "draft_max_sweep": sweep}
     header = f"specdecode bench ({chosen['mode']}): {target.name} / {draft.name if draft else 'no draft'}"
+    if eagle3 is not None:
+        header += f" / EAGLE-3 head {args.model_eagle3.name if args.model_eagle3 else '(bundled)'}"
     console.print(header)
     print_tables(rows, _stdout_console())
     for line in sweep_lines(sweep):

@@ -19,6 +19,7 @@ from transformers.utils import logging as hf_logging
 
 from specdecode.api import Pipeline
 from specdecode.backends.hf import HFBackend
+from specdecode.eagle3.head import Eagle3Head
 from specdecode.errors import SpecdecodeError
 from specdecode.generate import GenerationConfig
 from specdecode.sampling import SamplingParams
@@ -28,6 +29,7 @@ from specdecode.strategies import PRIORITY, DraftModelConfig, NgramSettings
 GREEDY = SamplingParams(temperature=0)
 MODEL_FREE = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")
 CHAINS = (("ngram-simple", "draft"), ("ngram-mod", "ngram-map-k4v", "draft"))
+EAGLE3_SYSTEMS = ("eagle3", "ngram-simple,eagle3")  # when an EAGLE-3 head is loaded
 # Hugging Face's documented example value; its n-gram size stays at the default (2).
 HF_PROMPT_LOOKUP_TOKENS = 10
 
@@ -102,11 +104,13 @@ class HFSystem:
         return Run(tokens, time.perf_counter() - began, None)
 
 
-def system_names(has_draft: bool, include_hf: bool) -> list[str]:
+def system_names(has_draft: bool, include_hf: bool, has_eagle3: bool = False) -> list[str]:
     """Every system the suite knows for these models, in table order."""
     ours = ["plain", *MODEL_FREE]
     if has_draft:
         ours += ["draft", *(",".join(chain) for chain in CHAINS)]
+    if has_eagle3:
+        ours += list(EAGLE3_SYSTEMS)
     hf = ["hf-plain", "hf-prompt-lookup"] + (["hf-assisted"] if has_draft else [])
     return ours + (hf if include_hf else [])
 
@@ -117,9 +121,10 @@ def build_systems(
     draft: HFBackend | None,
     draft_config: DraftModelConfig,
     ngram: NgramSettings,
+    eagle3: Eagle3Head | None = None,
 ) -> list[System]:
     """The named systems over the loaded models; "plain" always comes first (the baseline)."""
-    known = system_names(draft is not None, include_hf=True)
+    known = system_names(draft is not None, include_hf=True, has_eagle3=eagle3 is not None)
     unknown = [name for name in names if name not in known]
     if unknown:
         raise SpecdecodeError(
@@ -127,7 +132,7 @@ def build_systems(
         )
     ordered = ["plain", *(name for name in known if name in names and name != "plain")]
     hf_logging.set_verbosity_error()  # its deprecation notices would drown the progress bar
-    return [_system(name, target, draft, draft_config, ngram) for name in ordered]
+    return [_system(name, target, draft, draft_config, ngram, eagle3) for name in ordered]
 
 
 def _system(
@@ -136,6 +141,7 @@ def _system(
     draft: HFBackend | None,
     draft_config: DraftModelConfig,
     ngram: NgramSettings,
+    eagle3: Eagle3Head | None,
 ) -> System:
     if name == "hf-plain":
         return HFSystem(name, target)
@@ -149,6 +155,7 @@ def _system(
         lambda: Pipeline(
             target,
             draft if "draft" in spec_types else None,
+            eagle3=eagle3 if "eagle3" in spec_types else None,
             spec_types=spec_types,
             draft_config=draft_config,
             ngram=ngram,

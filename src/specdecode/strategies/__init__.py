@@ -12,17 +12,22 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from specdecode.backends import Backend
 from specdecode.errors import SpecdecodeError
 from specdecode.sampling import Sampler, SamplingParams
 from specdecode.strategies.base import Draft, Strategy
 from specdecode.strategies.draft_model import DraftModelConfig, DraftModelStrategy
+from specdecode.strategies.eagle3 import Eagle3Strategy
 from specdecode.strategies.ngram_cache import NgramCache, NgramCacheStrategy, load
 from specdecode.strategies.ngram_map import NgramMapStrategy
 from specdecode.strategies.ngram_mod import NgramModConfig, NgramModPool, NgramModStrategy
 from specdecode.strategies.ngram_simple import NgramMapConfig, NgramSimpleStrategy
 from specdecode.vocab import VocabTranslator
+
+if TYPE_CHECKING:
+    from specdecode.eagle3.head import Eagle3Head
 
 PRIORITY = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache", "draft", "eagle3")
 
@@ -66,17 +71,23 @@ class SpecSetup:
     draft_backend: Backend | None = None
     draft: DraftModelConfig = field(default_factory=DraftModelConfig)
     translator: VocabTranslator | None = None
+    eagle3_head: Eagle3Head | None = None  # uses the draft settings (`draft`) too
     ngram: NgramSettings = field(default_factory=NgramSettings)
     shared: SharedState | None = None
+
+
+def _draft_sampler(setup: SpecSetup, offset: int) -> Sampler | None:
+    """For rejection verification a model drafts by sampling from its own distribution, with its
+    own stream of draws (one offset per strategy)."""
+    if setup.verify != "rejection":
+        return None
+    return Sampler(replace(setup.sampling, seed=(setup.seed + offset) % 2**32))
 
 
 def _build_draft_model(setup: SpecSetup) -> Strategy:
     if setup.draft_backend is None or setup.target is None:
         raise SpecdecodeError("--spec-type draft needs a draft model (-md DIR)")
-    sampler = None
-    if setup.verify == "rejection":
-        # The draft samples from its own distribution with its own stream of draws.
-        sampler = Sampler(replace(setup.sampling, seed=(setup.seed + 1) % 2**32))
+    sampler = _draft_sampler(setup, 1)
     return DraftModelStrategy(
         setup.draft_backend,
         setup.draft,
@@ -84,6 +95,12 @@ def _build_draft_model(setup: SpecSetup) -> Strategy:
         translator=setup.translator,
         sampler=sampler,
     )
+
+
+def _build_eagle3(setup: SpecSetup) -> Strategy:
+    if setup.eagle3_head is None or setup.target is None:
+        raise SpecdecodeError("--spec-type eagle3 needs an EAGLE-3 head (-me DIR)")
+    return Eagle3Strategy(setup.eagle3_head, setup.target, setup.draft, _draft_sampler(setup, 2))
 
 
 def _shared(setup: SpecSetup) -> SharedState:
@@ -139,6 +156,7 @@ FACTORIES: dict[str, Callable[[SpecSetup], Strategy]] = {
     "ngram-mod": _build_ngram_mod,
     "ngram-cache": _build_ngram_cache,
     "draft": _build_draft_model,
+    "eagle3": _build_eagle3,
 }
 assert set(FACTORIES) <= set(PRIORITY), "every strategy needs its place in PRIORITY"
 AVAILABLE = tuple(name for name in PRIORITY if name in FACTORIES)

@@ -1,4 +1,4 @@
-"""`specdecode train tokenizer|target|draft`: the command line over the training modules.
+"""`specdecode train tokenizer|target|draft|eagle3`: the command line over the training modules.
 
 The default corpus is the Python standard library's train split (see `corpus`); `--data`
 trains on your own text or code instead (a file, or a directory of files). Token streams
@@ -17,6 +17,7 @@ import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from specdecode.backends.hf import load_tokenizer
+from specdecode.eagle3.train import EAGLE3_SHAPE, HeadShape, train_eagle3
 from specdecode.errors import SpecdecodeError
 from specdecode.train.corpus import corpus_files, encode_files, split_files, stdlib_root
 from specdecode.train.lm import DRAFT_SHAPE, TARGET_SHAPE, TrainConfig, train_draft, train_target
@@ -77,6 +78,29 @@ def run_draft(args: argparse.Namespace) -> None:
     print(f"draft -> {out}", file=sys.stderr)
 
 
+def run_eagle3(args: argparse.Namespace) -> None:
+    tokenizer = load_tokenizer(args.target)
+    shape = HeadShape(
+        heads=args.heads,
+        kv_heads=args.kv_heads,
+        intermediate=args.intermediate,
+        draft_vocab=args.draft_vocab,
+        unroll=args.unroll,
+        layer_ids=_layer_ids(args.layer_ids),
+    )
+    out = train_eagle3(training_tokens(tokenizer, args), args.target, args.out, shape, config_from_args(args))
+    print(f"EAGLE-3 head -> {out}", file=sys.stderr)
+
+
+def _layer_ids(text: str | None) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise SpecdecodeError(f"--layer-ids takes comma-separated integers, not {text!r}") from None
+
+
 def add_training_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("training (defaults: TrainConfig)")
     group.add_argument("--data", type=Path, help="a text file or a directory of files (default: the stdlib)")
@@ -87,7 +111,9 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
-    train = subparsers.add_parser("train", help="train a tokenizer, a target, or a draft for any target")
+    train = subparsers.add_parser(
+        "train", help="train a tokenizer, a target, or a draft or EAGLE-3 head for any target"
+    )
     commands = train.add_subparsers(dest="train_command", required=True)
 
     tok = commands.add_parser("tokenizer", help="byte-level BPE on the corpus")
@@ -107,3 +133,30 @@ def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
     draft.add_argument("--out", type=Path, required=True, help="output model directory")
     add_training_args(draft)
     draft.set_defaults(handler=run_draft)
+
+    eagle3 = commands.add_parser(
+        "eagle3", help="an EAGLE-3 head for any local target, with the training-time test (resumes)"
+    )
+    eagle3.add_argument("--target", type=Path, required=True, help="target model directory")
+    eagle3.add_argument("--out", type=Path, required=True, help="output head directory")
+    head = eagle3.add_argument_group("head")
+    d = EAGLE3_SHAPE
+    head.add_argument("--heads", type=int, default=d.heads, help=f"attention heads (default {d.heads})")
+    head.add_argument(
+        "--kv-heads", type=int, default=d.kv_heads, help=f"key/value heads (default {d.kv_heads})"
+    )
+    head.add_argument(
+        "--intermediate", type=int, default=d.intermediate, help=f"MLP width (default {d.intermediate})"
+    )
+    head.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=d.draft_vocab,
+        help=f"draft vocabulary: the most frequent target ids of the data (default {d.draft_vocab})",
+    )
+    head.add_argument(
+        "--unroll", type=int, default=d.unroll, help=f"training-time-test steps (default {d.unroll})"
+    )
+    head.add_argument("--layer-ids", help="target layers read, comma-separated (default 2,L/2,L-3)")
+    add_training_args(eagle3)
+    eagle3.set_defaults(handler=run_eagle3)

@@ -3,7 +3,7 @@
 A distilled draft's output scale is then calibrated (see `calibrate`), so that its top-1
 probability, which the p_min rule reads, is the chance that the target agrees with it.
 
-Both share one loop (`_train_loop`), parameterised by a loss function:
+Both share one loop (`train_loop`), parameterised by a loss function:
 
 * the target learns next-token cross-entropy on Python source;
 * the draft learns to imitate the target: KL(target || draft) on temperature-softened
@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch import nn
 from tqdm import tqdm
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
@@ -55,7 +56,7 @@ RESUMABLE_CHANGES = frozenset(
     {"steps", "checkpoint_every", "save_dtype", "device", "threads", "calibration_windows"}
 )
 
-LossFn = Callable[[LlamaForCausalLM, torch.Tensor], torch.Tensor]
+LossFn = Callable[[nn.Module, torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -167,7 +168,7 @@ def _batch_for_step(tokens: np.ndarray, config: TrainConfig, step: int) -> torch
     return sample_batch(tokens, config.batch_size, config.seq_len, generator)
 
 
-def _check_tokens(tokens: np.ndarray, config: TrainConfig, vocab_size: int) -> None:
+def check_tokens(tokens: np.ndarray, config: TrainConfig, vocab_size: int) -> None:
     if tokens.ndim != 1 or len(tokens) <= config.seq_len + 1:
         raise SpecdecodeError(
             f"need a 1-D token array longer than seq_len + 1 = {config.seq_len + 1}, not shape {tokens.shape}"
@@ -203,7 +204,7 @@ def _lr_at(step: int, config: TrainConfig) -> float:
     return config.min_lr + 0.5 * (config.lr - config.min_lr) * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
-def _optimizer(model: LlamaForCausalLM, config: TrainConfig) -> torch.optim.AdamW:
+def _optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.AdamW:
     params = list(model.parameters())  # deduplicated: a tied head appears once
     groups = [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": config.weight_decay},
@@ -212,7 +213,7 @@ def _optimizer(model: LlamaForCausalLM, config: TrainConfig) -> torch.optim.Adam
     return torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.95))
 
 
-def _run_identity(kind: str, shape: ModelShape, config: TrainConfig) -> dict:
+def run_identity(kind: str, shape: ModelShape, config: TrainConfig) -> dict:
     """What a checkpoint must share with a request to resume it."""
     fixed = {k: v for k, v in asdict(config).items() if k not in RESUMABLE_CHANGES}
     return {"kind": kind, "shape": asdict(shape), "config": fixed}
@@ -242,21 +243,22 @@ def _save_checkpoint(path: Path, state: dict) -> None:
     os.replace(temporary, path)  # atomic: an interruption leaves the previous checkpoint whole
 
 
-def _train_loop(
-    model: LlamaForCausalLM,
+def train_loop(
+    model: nn.Module,
     loss_fn: LossFn,
     tokens: np.ndarray,
     out_dir: Path,
     identity: dict,
     config: TrainConfig,
     progress: bool,
+    max_positions: int,
 ) -> dict:
     """Train `model` (on its device) to config.steps, resuming from and writing checkpoints.
-    Returns the log: per-step losses of the whole run, the step resumed from, tokens/s."""
-    if config.seq_len > model.config.max_position_embeddings:
-        raise SpecdecodeError(
-            f"seq_len {config.seq_len} exceeds the model's {model.config.max_position_embeddings} positions"
-        )
+    `loss_fn(model, batch [B, T+1])` may use other (frozen) models; only `model` is trained and
+    checkpointed. max_positions: the longest sequence the models involved take. Returns the log:
+    per-step losses of the whole run, the step resumed from, tokens/s."""
+    if config.seq_len > max_positions:
+        raise SpecdecodeError(f"seq_len {config.seq_len} exceeds the model's {max_positions} positions")
     path = out_dir / CHECKPOINT_FILE
     optimizer = _optimizer(model, config)
     state = _load_checkpoint(path, identity, config.steps)
@@ -293,7 +295,7 @@ def _run_log(identity: dict, config: TrainConfig, start: int, losses: list[float
 
 
 def _step(
-    model: LlamaForCausalLM,
+    model: nn.Module,
     optimizer: torch.optim.Optimizer,
     loss_fn: LossFn,
     batch: torch.Tensor,  # [B, T+1]
@@ -319,11 +321,15 @@ def _save_result(
     model.to(device="cpu", dtype=SAVE_DTYPES[config.save_dtype]).eval()
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
-    (out_dir / LOG_FILE).write_text(json.dumps(log, indent=1) + "\n")
+    write_log(out_dir, log)
     return out_dir
 
 
-def _prepare(config: TrainConfig) -> torch.device:
+def write_log(out_dir: Path, log: dict) -> None:
+    (out_dir / LOG_FILE).write_text(json.dumps(log, indent=1) + "\n")
+
+
+def prepare(config: TrainConfig) -> torch.device:
     if config.threads:
         torch.set_num_threads(config.threads)
     return _device(config)
@@ -346,11 +352,12 @@ def train_target(
     directory (and train_log.json) into out_dir, resuming from out_dir/checkpoint/ if present."""
     out_dir = Path(out_dir)
     vocab_size = len(tokenizer)
-    _check_tokens(tokens, config, vocab_size)
-    device = _prepare(config)
+    check_tokens(tokens, config, vocab_size)
+    device = prepare(config)
     model = _new_model(shape, vocab_size, tokenizer, config.seed).to(device)
-    log = _train_loop(
-        model, _next_token_loss, tokens, out_dir, _run_identity("target", shape, config), config, progress
+    identity = run_identity("target", shape, config)
+    log = train_loop(
+        model, _next_token_loss, tokens, out_dir, identity, config, progress, shape.max_positions
     )
     return _save_result(model, tokenizer, out_dir, log, config)
 
@@ -384,15 +391,16 @@ def train_draft(
     """Distill a Llama draft of `shape` from the causal LM in target_dir. The draft gets the target's
     tokenizer and output vocabulary size, so the two vocabularies match by construction."""
     out_dir = Path(out_dir)
-    device = _prepare(config)
+    device = prepare(config)
     teacher = HFBackend.load(target_dir, LoadOptions(device=device.type, dtype="float32"))
     vocab_size = teacher.vocab.size
-    _check_tokens(tokens, config, vocab_size)
+    check_tokens(tokens, config, vocab_size)
     target = teacher.model.eval().requires_grad_(False)
     draft = _new_model(shape, vocab_size, teacher.tokenizer, config.seed).to(device)
-    identity = {**_run_identity("draft", shape, config), "vocab_size": vocab_size}
+    identity = {**run_identity("draft", shape, config), "vocab_size": vocab_size}
     loss_fn = _distillation_loss(target, config.distill_temperature)
-    log = _train_loop(draft, loss_fn, tokens, out_dir, identity, config, progress)
+    positions = min(shape.max_positions, target.config.max_position_embeddings)
+    log = train_loop(draft, loss_fn, tokens, out_dir, identity, config, progress, positions)
     if config.calibration_windows:
         log["calibration"] = calibrate_draft(
             target, draft, tokens, config.calibration_windows, config.seq_len, config.seed

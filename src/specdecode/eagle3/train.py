@@ -1,0 +1,161 @@
+"""Training an EAGLE-3 head for any local causal-LM target, with EAGLE-3's training-time test.
+
+Each batch runs the frozen target once (recording its features at the head's layers and
+its next-token distributions), then unrolls the head `unroll` times over the same tokens:
+step 0 reads g = fc(target features); step j reads, at position p, the head's own
+pre-norm state of step j-1 at position p-1, exactly what drafting feeds it j tokens past
+the verified prefix, under the attention mask that drafting implies (see
+`head.unrolled_attention`). The loss is the cross-entropy of the head's distribution against
+the target's (restricted to the draft vocabulary and renormalised), averaged over the
+positions each step can reach, weighted 0.8^j and summed over steps (EAGLE-3's weighting).
+
+The draft vocabulary is the `draft_vocab` most frequent target ids of the training tokens.
+The head shares the target's embeddings (neither trained nor saved) and starts from the
+target's final norm and the draft-vocabulary rows of its output head, so its output space
+means something from the first step. Loop, checkpoints, resumption, seeding and bf16
+autocast are `specdecode.train.lm`'s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specdecode.backends.hf import HFBackend, LoadOptions
+from specdecode.backends.hidden import capture, features
+from specdecode.eagle3.checkpoint import check_fits, default_layer_ids, save_head
+from specdecode.eagle3.head import Eagle3Config, Eagle3Head, unrolled_attention
+from specdecode.errors import SpecdecodeError
+from specdecode.train import lm
+from specdecode.train.lm import LossFn, TrainConfig
+
+STEP_WEIGHT = 0.8  # weight of unroll step j: STEP_WEIGHT ** j
+
+
+@dataclass(frozen=True)
+class HeadShape:
+    """The head's sizes; its hidden size is the target's (shared embeddings)."""
+
+    heads: int = 8
+    kv_heads: int = 2
+    intermediate: int = 512
+    draft_vocab: int = 1024
+    unroll: int = 5
+    layer_ids: tuple[int, ...] | None = None  # None: [2, L // 2, L - 3]
+
+    def __post_init__(self) -> None:
+        if min(self.heads, self.kv_heads, self.intermediate, self.draft_vocab, self.unroll) < 1:
+            raise SpecdecodeError(f"head sizes and unroll must be >= 1: {self}")
+
+
+EAGLE3_SHAPE = HeadShape()
+
+
+def draft_vocabulary(tokens: np.ndarray, vocab_size: int, size: int) -> torch.Tensor:
+    """The `size` most frequent ids of `tokens` (ties: the lower id), sorted ascending."""
+    if size >= vocab_size:
+        return torch.arange(vocab_size)
+    counts = np.bincount(tokens.astype(np.int64), minlength=vocab_size)
+    order = np.argsort(-counts, kind="stable")[:size]
+    return torch.from_numpy(np.sort(order)).to(torch.long)
+
+
+def head_config(target: nn.Module, shape: HeadShape, draft_vocab: int) -> Eagle3Config:
+    c = target.config
+    hidden, layers = int(c.hidden_size), int(c.num_hidden_layers)
+    if hidden % shape.heads or shape.heads % shape.kv_heads:
+        raise SpecdecodeError(f"heads must divide the hidden size {hidden} and kv_heads must divide heads")
+    rope = getattr(c, "rope_parameters", None) or {}
+    config = Eagle3Config(
+        hidden_size=hidden,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        intermediate_size=shape.intermediate,
+        target_hidden_size=hidden,
+        target_layer_ids=tuple(shape.layer_ids or default_layer_ids(layers)),
+        vocab_size=int(target.get_output_embeddings().weight.shape[0]),
+        draft_vocab_size=draft_vocab,
+        rms_norm_eps=float(getattr(c, "rms_norm_eps", 1e-5)),
+        rope_theta=float(getattr(c, "rope_theta", None) or rope.get("rope_theta") or 10000.0),
+        max_position_embeddings=int(c.max_position_embeddings),
+    )
+    check_fits(config, layers, hidden, config.vocab_size, "the new head")
+    return config
+
+
+def new_head(target: nn.Module, shape: HeadShape, d2t: torch.Tensor, seed: int) -> Eagle3Head:
+    """A head for `target` (a transformers causal LM): seeded init, the target's output norm
+    and draft-vocabulary output rows, the target's embeddings shared."""
+    config = head_config(target, shape, len(d2t))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        head = Eagle3Head(config, target.get_input_embeddings().weight)
+    with torch.no_grad():
+        head.d2t.copy_(d2t)
+        head.lm_head.weight.copy_(target.get_output_embeddings().weight[d2t])
+        final_norm = getattr(target.get_decoder(), "norm", None)
+        if final_norm is not None:
+            head.norm.weight.copy_(final_norm.weight)
+    weight = next(target.parameters())
+    return head.to(device=weight.device, dtype=weight.dtype)
+
+
+def ttt_loss(target: nn.Module, unroll: int) -> LossFn:
+    """The training-time-test loss of a head over batches [B, T+1] of target ids."""
+
+    def loss_fn(head: Eagle3Head, batch: torch.Tensor) -> torch.Tensor:
+        layer_ids = head.config.target_layer_ids
+        with torch.no_grad(), capture(target, layer_ids) as sink:
+            logits = target(input_ids=batch).logits  # [B, T+1, V]
+            wanted = torch.softmax(logits[:, 1:, head.d2t].float(), dim=-1)  # [B, T, V_draft]
+        tokens = batch[:, 1:]  # pair p: (token p+1, features of p), predicting token p+2
+        g = head.fc(features(sink, layer_ids)[:, :-1].to(head.fc.weight.dtype))  # [B, T, H]
+        positions = torch.arange(tokens.shape[1], device=batch.device)
+        history: list[tuple[torch.Tensor, torch.Tensor]] = []
+        total, weights = 0.0, 0.0
+        for step in range(min(unroll, tokens.shape[1])):
+            h = head.layer(tokens, g, positions, unrolled_attention(head.config, step, history))
+            log_q = F.log_softmax(head.logits(h).float(), dim=-1)
+            cross_entropy = -(wanted * log_q).sum(-1)  # [B, T]
+            total = total + STEP_WEIGHT**step * cross_entropy[:, step:].mean()
+            weights += STEP_WEIGHT**step
+            g = torch.cat([torch.zeros_like(h[:, :1]), h[:, :-1]], dim=1)  # own state, one position on
+        return total / weights
+
+    return loss_fn
+
+
+def train_eagle3(
+    tokens: np.ndarray,
+    target_dir: Path,
+    out_dir: Path,
+    shape: HeadShape,
+    config: TrainConfig,
+    progress: bool = True,
+) -> Path:
+    """Train a head for the causal LM in target_dir on `tokens` (ids of its tokenizer); write
+    config.json, model.safetensors and train_log.json into out_dir, resuming from
+    out_dir/checkpoint/ if present."""
+    out_dir = Path(out_dir)
+    device = lm.prepare(config)
+    teacher = HFBackend.load(target_dir, LoadOptions(device=device.type, dtype="float32"))
+    vocab_size = teacher.vocab.size
+    lm.check_tokens(tokens, config, vocab_size)
+    target = teacher.model.eval().requires_grad_(False)
+    d2t = draft_vocabulary(tokens, vocab_size, shape.draft_vocab)
+    head = new_head(target, shape, d2t, config.seed)
+    identity = {**lm.run_identity("eagle3", shape, config), "vocab_size": vocab_size}
+    identity["shape"] = asdict(shape) | {"layer_ids": list(head.config.target_layer_ids)}
+    positions = int(target.config.max_position_embeddings) - 1  # the target reads T+1 tokens
+    log = lm.train_loop(
+        head, ttt_loss(target, shape.unroll), tokens, out_dir, identity, config, progress, positions
+    )
+    head.eval()
+    save_head(head, out_dir, lm.SAVE_DTYPES[config.save_dtype])
+    lm.write_log(out_dir, log)
+    return out_dir
