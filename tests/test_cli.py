@@ -122,7 +122,6 @@ def test_prompt_file(pair, tmp_path, capsys):
         (["-m", "{target}", "-p", "x", "--top-p", "0"], "top_p"),
         (["-m", "{target}", "-p", "x", "--draft-max", "0", "-md", "{draft}"], "--draft-max"),
         (["-m", "{target}", "-p", "x", "--device", "tpu"], "device"),
-        (["-p", "x"], "no target model"),
     ],
 )
 def test_bad_input_exits_2_with_one_clear_line(pair, tmp_path, capsys, args, message):
