@@ -187,6 +187,19 @@ def ngram_from_args(args: argparse.Namespace) -> NgramSettings:
     )
 
 
+def load_options(args: argparse.Namespace) -> tuple[LoadOptions, LoadOptions]:
+    """The target's and the draft's loading options (the draft's default to the target's)."""
+    target = LoadOptions(args.device, args.dtype, args.threads, args.ctx_size, args.batch_size)
+    draft = LoadOptions(
+        args.device_draft or args.device,
+        args.dtype_draft,
+        args.threads_draft or args.threads,
+        args.ctx_size_draft,
+        args.batch_size,
+    )
+    return target, draft
+
+
 def pipeline_from_args(args: argparse.Namespace) -> Pipeline:
     spec_types = parse_spec_types(args.spec_type) if args.spec_type is not None else None
     if spec_types is None and args.model_eagle3 is not None:
@@ -194,14 +207,7 @@ def pipeline_from_args(args: argparse.Namespace) -> Pipeline:
         spec_types = (["draft"] if args.model_draft is not None else []) + ["eagle3"]
     head = resolve_eagle3(args.model, args.model_eagle3) if spec_types and "eagle3" in spec_types else None
     args.model, args.model_draft = resolve_models(args.model, args.model_draft)
-    target_options = LoadOptions(args.device, args.dtype, args.threads, args.ctx_size, args.batch_size)
-    draft_options = LoadOptions(
-        args.device_draft or args.device,
-        args.dtype_draft,
-        args.threads_draft or args.threads,
-        args.ctx_size_draft,
-        args.batch_size,
-    )
+    target_options, draft_options = load_options(args)
     needs_draft = spec_types is None or "draft" in spec_types
     return Pipeline.load(
         args.model,
@@ -288,7 +294,9 @@ def build_parser() -> argparse.ArgumentParser:
     ben = bench_command.add_bench_parser(commands)
     add_model_args(ben)
     add_ngram_args(ben)
-    ben.set_defaults(handler=lambda args: bench_command.run_bench(args, ngram_from_args(args)))
+    ben.set_defaults(
+        handler=lambda args: bench_command.run_bench(args, ngram_from_args(args), *load_options(args))
+    )
 
     srv = commands.add_parser(
         "serve",

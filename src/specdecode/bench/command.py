@@ -103,28 +103,24 @@ def bench_tasks(args: argparse.Namespace, per_task: int) -> list[Task]:
     return build_tasks([name.strip() for name in args.tasks.split(",") if name.strip()], per_task)
 
 
-def load_models(args: argparse.Namespace) -> tuple[HFBackend, HFBackend | None, Eagle3Head | None]:
+def load_models(
+    args: argparse.Namespace, target_options: LoadOptions, draft_options: LoadOptions
+) -> tuple[HFBackend, HFBackend | None, Eagle3Head | None]:
     """Target, draft and EAGLE-3 head (-me, or the bundled head with the bundled target)."""
     head = resolve_eagle3(args.model, args.model_eagle3)
     model, draft = resolve_models(args.model, args.model_draft)
-    target = HFBackend.load(
-        model, LoadOptions(args.device, args.dtype, args.threads, args.ctx_size, args.batch_size)
-    )
-    draft_options = LoadOptions(
-        args.device_draft or args.device,
-        args.dtype_draft,
-        args.threads_draft or args.threads,
-        args.ctx_size_draft,
-        args.batch_size,
-    )
+    target = HFBackend.load(model, target_options)
     draft_backend = HFBackend.load(draft, draft_options) if draft is not None else None
     return target, draft_backend, load_head(head, target) if head is not None else None
 
 
-def run_bench(args: argparse.Namespace, ngram: NgramSettings) -> None:
+def run_bench(
+    args: argparse.Namespace, ngram: NgramSettings, target_options: LoadOptions, draft_options: LoadOptions
+) -> None:
+    """The suite; the n-gram settings and loading options come from the flags shared with generate."""
     chosen = settings(args)
     tasks = bench_tasks(args, chosen["prompts_per_task"])
-    target, draft, eagle3 = load_models(args)
+    target, draft, eagle3 = load_models(args, target_options, draft_options)
     draft_config = DraftModelConfig(args.draft_max, args.draft_min, args.draft_p_min)
     names = (
         [name.strip() for name in args.systems.split(",")]
