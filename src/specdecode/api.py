@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specdecode.backends import Backend
-from specdecode.backends.hf import HFBackend, LoadOptions
+from specdecode.backends.hf import LoadOptions
+from specdecode.backends.load import load_backend
 from specdecode.chain import Chain
 from specdecode.eagle3.checkpoint import load_head
 from specdecode.eagle3.head import Eagle3Head
@@ -85,8 +86,8 @@ class Pipeline:
         draft_options: LoadOptions = LoadOptions(),
         **kwargs,
     ) -> Pipeline:
-        target = HFBackend.load(model, target_options)
-        draft_backend = HFBackend.load(draft, draft_options) if draft is not None else None
+        target = load_backend(model, target_options)
+        draft_backend = load_backend(draft, draft_options) if draft is not None else None
         head = load_head(eagle3, target) if eagle3 is not None else None
         return cls(target, draft_backend, eagle3=head, **kwargs)
 

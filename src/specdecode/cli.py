@@ -16,6 +16,7 @@ from transformers.utils import logging as hf_logging
 
 from specdecode.api import Pipeline
 from specdecode.backends.hf import DTYPES, LoadOptions
+from specdecode.backends.load import BACKENDS
 from specdecode.bench import command as bench_command
 from specdecode.bench import drafting as bench_drafting
 from specdecode.defaults import resolve_eagle3, resolve_models
@@ -76,6 +77,13 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--device-draft", help="device of the draft (default: --device)")
     group.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help="target weights dtype")
     group.add_argument("--dtype-draft", default="auto", choices=["auto", *DTYPES], help="draft weights dtype")
+    group.add_argument(
+        "--backend",
+        default="auto",
+        choices=BACKENDS,
+        help="model forward: native (lean, Llama-family models), hf (transformers'), auto (native "
+        "where it runs)",
+    )
     group.add_argument("-t", "--threads", type=int, help="CPU threads for the target")
     group.add_argument("-td", "--threads-draft", type=int, help="CPU threads for the draft (default: -t)")
 
@@ -189,13 +197,16 @@ def ngram_from_args(args: argparse.Namespace) -> NgramSettings:
 
 def load_options(args: argparse.Namespace) -> tuple[LoadOptions, LoadOptions]:
     """The target's and the draft's loading options (the draft's default to the target's)."""
-    target = LoadOptions(args.device, args.dtype, args.threads, args.ctx_size, args.batch_size)
+    target = LoadOptions(
+        args.device, args.dtype, args.threads, args.ctx_size, args.batch_size, backend=args.backend
+    )
     draft = LoadOptions(
         args.device_draft or args.device,
         args.dtype_draft,
         args.threads_draft or args.threads,
         args.ctx_size_draft,
         args.batch_size,
+        backend=args.backend,
     )
     return target, draft
 

@@ -20,7 +20,7 @@ from transformers import (
 )
 
 from specdecode.backends import VocabInfo
-from specdecode.backends.hidden import HiddenRecorder, recording
+from specdecode.backends.hidden import HiddenRecorder, HiddenRows, recording
 from specdecode.errors import SpecdecodeError
 
 DTYPES = {
@@ -41,10 +41,16 @@ class LoadOptions:
     threads: int | None = None
     n_ctx: int = 0
     n_batch: int = 512
+    backend: str = "auto"  # "auto": native for the model types it runs, else "hf" (see load_backend)
 
 
 class HFBackend:
     """A transformers causal LM with a rollback-able KV cache (see `specdecode.backends.Backend`)."""
+
+    # Whether "auto" may pick bfloat16 on a CPU: only for a forward whose rows are invariant to
+    # the number of rows in a pass (transformers' kernels are not, and in half precision the
+    # difference can change a greedy token).
+    half_precision_on_cpu = False
 
     def __init__(
         self,
@@ -69,20 +75,20 @@ class HFBackend:
         self._texts: list[str] | None = None
         self._tokens: list[int] = []
         self._cache = DynamicCache(config=model.config)
-        self._recorder: HiddenRecorder | None = None  # set by capture_hidden
+        self._recorder: HiddenRows | None = None  # set by capture_hidden
         self.n_layers = int(model.config.num_hidden_layers)
         self.hidden_size = int(model.config.hidden_size)
 
     @classmethod
     def load(cls, path: str | Path, options: LoadOptions = LoadOptions()) -> HFBackend:
         """Load a causal LM and its tokenizer from a local Hugging Face directory."""
-        directory = _check_directory(Path(path))
+        directory = check_model_directory(Path(path))
         device = _check_device(options.device)
-        config = _load_config(directory)
+        config = load_model_config(directory)
         tokenizer = load_tokenizer(directory)
         if options.threads:
             torch.set_num_threads(options.threads)
-        dtype = _resolve_dtype(options.dtype, config, device)
+        dtype = _resolve_dtype(options.dtype, config, device, cls.half_precision_on_cpu)
         try:
             model, info = AutoModelForCausalLM.from_pretrained(
                 directory, dtype=dtype, local_files_only=True, output_loading_info=True
@@ -131,7 +137,10 @@ class HFBackend:
                 f"{self.n_layers} meaning the output of the last one)"
             )
         self.truncate(0)  # cached positions have no rows for the new choice
-        self._recorder = HiddenRecorder(self.model, layer_ids, self.hidden_size) if layer_ids else None
+        self._recorder = self._new_recorder(layer_ids) if layer_ids else None
+
+    def _new_recorder(self, layer_ids: Sequence[int]) -> HiddenRows:
+        return HiddenRecorder(self.model, layer_ids, self.hidden_size)
 
     def hidden_states(self, start: int, end: int) -> torch.Tensor:
         if self._recorder is None:
@@ -210,7 +219,7 @@ class HFBackend:
             torch.set_num_threads(self.threads)
 
 
-def _check_directory(directory: Path) -> Path:
+def check_model_directory(directory: Path) -> Path:
     if not directory.exists():
         raise SpecdecodeError(f"model directory not found: {directory}")
     if not directory.is_dir():
@@ -234,7 +243,7 @@ def _check_device(device: str) -> torch.device:
     return parsed
 
 
-def _load_config(directory: Path):
+def load_model_config(directory: Path):
     try:
         config = AutoConfig.from_pretrained(directory, local_files_only=True)
     except (OSError, ValueError, KeyError, json.JSONDecodeError) as exc:
@@ -261,15 +270,20 @@ def load_tokenizer(directory: str | Path) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
-def _resolve_dtype(name: str, config, device: torch.device) -> torch.dtype:
+def _resolve_dtype(name: str, config, device: torch.device, half_on_cpu: bool) -> torch.dtype:
     if name != "auto":
         if name not in DTYPES:
             raise SpecdecodeError(f"unknown dtype {name!r} (choose from auto, {', '.join(DTYPES)})")
         return DTYPES[name]
     stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     stored = DTYPES.get(str(stored).removeprefix("torch."), torch.float32)
-    # Half precision matmuls are slow on CPUs; keep them for GPUs.
-    return stored if device.type == "cuda" or stored == torch.float64 else torch.float32
+    if device.type == "cuda" or stored == torch.float64:
+        return stored
+    # On a CPU, half precision pays only with native bfloat16 arithmetic (AVX512-BF16, AMX):
+    # half the bytes to read per token, and passes of a few rows cost little more than one.
+    if stored == torch.bfloat16 and half_on_cpu and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return torch.bfloat16
+    return torch.float32
 
 
 def _vocab_info(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> VocabInfo:

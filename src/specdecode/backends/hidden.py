@@ -72,17 +72,15 @@ def features(sink: dict[int, torch.Tensor | None], layer_ids: Sequence[int]) -> 
     return torch.cat([sink[layer] for layer in layer_ids], dim=-1)
 
 
-class HiddenRecorder:
+class HiddenRows:
     """Feature rows of one backend's cached positions: [n, len(layer_ids) * H], grown by each
     forward pass, trimmed with the KV cache."""
 
-    def __init__(self, model: nn.Module, layer_ids: Sequence[int], hidden_size: int) -> None:
-        self.model = model
+    def __init__(self, layer_ids: Sequence[int], hidden_size: int) -> None:
         self.layer_ids = list(layer_ids)
         self.width = len(self.layer_ids) * hidden_size
         self._rows: torch.Tensor | None = None  # [capacity, width], allocated on first use
         self._n = 0
-        install_hooks(model, self.layer_ids)
 
     def __len__(self) -> int:
         return self._n
@@ -108,6 +106,15 @@ class HiddenRecorder:
         if self._rows is None:
             return torch.empty(0, self.width)
         return self._rows[start:end]
+
+
+class HiddenRecorder(HiddenRows):
+    """HiddenRows filled by hooks on a transformers model (see `recording`)."""
+
+    def __init__(self, model: nn.Module, layer_ids: Sequence[int], hidden_size: int) -> None:
+        super().__init__(layer_ids, hidden_size)
+        self.model = model
+        install_hooks(model, self.layer_ids)
 
 
 @contextmanager

@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from specdecode.backends.hf import HFBackend, LoadOptions
+from specdecode.backends.load import load_backend
 from specdecode.bench import plots
 from specdecode.bench.metrics import summarize
 from specdecode.bench.report import print_tables, sweep_lines, write_outputs
@@ -109,8 +110,8 @@ def load_models(
     """Target, draft and EAGLE-3 head (-me, or the bundled head with the bundled target)."""
     head = resolve_eagle3(args.model, args.model_eagle3)
     model, draft = resolve_models(args.model, args.model_draft)
-    target = HFBackend.load(model, target_options)
-    draft_backend = HFBackend.load(draft, draft_options) if draft is not None else None
+    target = load_backend(model, target_options)
+    draft_backend = load_backend(draft, draft_options) if draft is not None else None
     return target, draft_backend, load_head(head, target) if head is not None else None
 
 

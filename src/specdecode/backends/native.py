@@ -1,0 +1,329 @@
+"""A lean PyTorch forward for Llama-family models, over the weights transformers loaded.
+
+Why a second forward: for the small models that drafting uses, and for any model on a CPU, a
+step through transformers' module stack spends much of its time outside the matrix products
+(cache objects, mask building, per-layer Python). Here one function runs the whole pass over
+a preallocated KV cache that rolls back by a length, with q/k/v and gate/up fused into one
+product each (gpt-fast's recipe).
+
+Why row-invariance: a verify pass scores k+1 rows at once where plain generation scores one
+row per pass. In half precision the library's kernels may give a row different bits depending
+on how many rows share the product (they pick other blockings), and a one-ulp difference in
+bfloat16 is large enough to flip an argmax now and then: speculative output would then drift
+from plain output. So in half precision every pass of up to INVARIANT_ROWS rows gives each row
+exactly the bits it gets alone. Attention runs one query row at a time (the very call a
+one-row pass makes), and each projection is checked when the model is loaded: rows alone
+against rows together, on the real weights. A projection that fails is computed as a sum of
+K-slices that pass (in float32), or, failing that, one row at a time. In float32 and float64
+the kernels differ only in the last bits, far below the logit gaps decoding turns on, and the
+passes run batched.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from specdecode.backends.hf import HFBackend
+from specdecode.backends.hidden import HiddenRows
+from specdecode.errors import SpecdecodeError
+
+NATIVE_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
+STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
+HALF_DTYPES = frozenset({torch.bfloat16, torch.float16})
+INVARIANT_ROWS = 128  # passes up to this many rows are row-invariant in half precision
+PROBE_ROWS = (2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128)
+SLICE_COUNTS = (2, 4, 8)
+
+
+def native_unsupported(config) -> str | None:
+    """Why the native forward cannot run a model of this config; None when it can."""
+    kind = getattr(config, "model_type", None)
+    if kind not in NATIVE_MODEL_TYPES:
+        return f"model_type {kind!r} (supported: {', '.join(sorted(NATIVE_MODEL_TYPES))})"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"activation {config.hidden_act!r} (needs silu)"
+    if getattr(config, "mlp_bias", False):
+        return "MLP biases"
+    if getattr(config, "pretraining_tp", 1) != 1:
+        return "pretraining_tp > 1"
+    if kind == "mistral" and getattr(config, "sliding_window", None):
+        return "sliding-window attention"
+    if kind == "qwen2" and getattr(config, "use_sliding_window", False):
+        return "sliding-window attention"
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in STATIC_ROPE_TYPES:
+        return f"rope type {rope_type!r} (its angles depend on the sequence length)"
+    return None
+
+
+class Projection:
+    """x [T, K] -> x W^T + b [T, N], computed as `invariance_plan` decided."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, slices: int = 1) -> None:
+        """slices: 1, one product; c > 1, the sum (in float32) of c products over K-slices;
+        0, one product per row."""
+        self.weight = weight
+        self.bias = bias
+        self.row_by_row = slices == 0
+        self.pieces: list[tuple[slice, torch.Tensor]] | None = None
+        if slices > 1:
+            step = weight.shape[1] // slices
+            parts = [slice(i, i + step) for i in range(0, weight.shape[1], step)]
+            self.pieces = [(part, weight[:, part].contiguous()) for part in parts]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.row_by_row and 1 < x.shape[0] <= INVARIANT_ROWS:
+            return torch.cat([self.product(row) for row in x.split(1)])
+        return self.product(x)
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        if self.pieces is None:
+            return F.linear(x, self.weight, self.bias)
+        total = sum(F.linear(x[:, part], piece).float() for part, piece in self.pieces)
+        out = total.to(x.dtype)
+        return out if self.bias is None else out + self.bias
+
+
+def invariance_plan(weight: torch.Tensor, bias: torch.Tensor | None) -> int:
+    """The first of: one product (1), a sum over 2, 4 or 8 K-slices, that gives every row of a
+    random probe the same bits in passes of up to INVARIANT_ROWS rows as alone; else 0 (rows
+    one by one, always invariant)."""
+    generator = torch.Generator(device=weight.device).manual_seed(0)
+    probe = torch.randn((INVARIANT_ROWS, weight.shape[1]), generator=generator, device=weight.device)
+    probe = probe.to(weight.dtype)
+    for slices in (1, *SLICE_COUNTS):
+        if weight.shape[1] % slices == 0 and _rows_match(Projection(weight, bias, slices).product, probe):
+            return slices
+    return 0
+
+
+def _rows_match(product, x: torch.Tensor) -> bool:
+    """Whether `product` gives the rows of x, taken together, the bits it gives each alone."""
+    alone = torch.cat([product(row) for row in x.split(1)])
+    return all(torch.equal(product(x[:rows]), alone[:rows]) for rows in PROBE_ROWS if rows <= len(x))
+
+
+@dataclass
+class Layer:
+    input_norm: torch.Tensor
+    qkv: Projection
+    out: Projection
+    post_norm: torch.Tensor
+    gate_up: Projection
+    down: Projection
+
+
+class NativeWeights:
+    """A model's weights arranged for the native forward (fused, probed), shared by forks."""
+
+    def __init__(self, model: PreTrainedModel, invariant: bool) -> None:
+        config = model.config
+        decoder = model.get_decoder()
+        self.n_heads = int(config.num_attention_heads)
+        self.n_kv_heads = int(getattr(config, "num_key_value_heads", None) or self.n_heads)
+        self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // self.n_heads)
+        self.eps = float(config.rms_norm_eps)
+        self.embeddings = decoder.embed_tokens.weight
+        self.final_norm = decoder.norm.weight
+        self.rotary = decoder.rotary_emb
+        plans: dict[tuple, int] = {}  # one probe per weight shape
+        self.layers = [self._layer(layer, invariant, plans) for layer in decoder.layers]
+        self.lm_head = self._projection(model.get_output_embeddings().weight, None, invariant, plans)
+        self.plans = plans
+
+    def _layer(self, layer, invariant: bool, plans: dict) -> Layer:
+        attention, mlp = layer.self_attn, layer.mlp
+        projections = (attention.q_proj, attention.k_proj, attention.v_proj)
+        qkv = _fuse(projections)
+        biases = [p.bias for p in projections]
+        qkv_bias = torch.cat(biases) if all(b is not None for b in biases) else None
+        return Layer(
+            input_norm=layer.input_layernorm.weight,
+            qkv=self._projection(qkv, qkv_bias, invariant, plans),
+            out=self._projection(attention.o_proj.weight, attention.o_proj.bias, invariant, plans),
+            post_norm=layer.post_attention_layernorm.weight,
+            gate_up=self._projection(_fuse((mlp.gate_proj, mlp.up_proj)), None, invariant, plans),
+            down=self._projection(mlp.down_proj.weight, None, invariant, plans),
+        )
+
+    @staticmethod
+    def _projection(
+        weight: torch.Tensor, bias: torch.Tensor | None, invariant: bool, plans: dict
+    ) -> Projection:
+        if not invariant:
+            return Projection(weight, bias)
+        key = (tuple(weight.shape), bias is not None)
+        if key not in plans:
+            plans[key] = invariance_plan(weight, bias)
+        return Projection(weight, bias, plans[key])
+
+
+def _fuse(modules: Sequence[torch.nn.Linear]) -> torch.Tensor:
+    """One weight for several projections of the same input; the modules keep views into it,
+    so transformers' own forward still works and the weights are held once."""
+    fused = torch.cat([m.weight.detach() for m in modules]).contiguous()
+    start = 0
+    for module in modules:
+        rows = module.weight.shape[0]
+        module.weight = torch.nn.Parameter(fused[start : start + rows], requires_grad=False)
+        start += rows
+    return fused
+
+
+_SHARED: weakref.WeakKeyDictionary[PreTrainedModel, NativeWeights] = weakref.WeakKeyDictionary()
+
+
+def native_weights(model: PreTrainedModel) -> NativeWeights:
+    """The arranged weights of `model`, made (and probed) once per model."""
+    if model not in _SHARED:
+        dtype = next(model.parameters()).dtype
+        _SHARED[model] = NativeWeights(model, invariant=dtype in HALF_DTYPES)
+    return _SHARED[model]
+
+
+class KVCache:
+    """Keys and values of every layer, [layers, kv_heads, capacity, head_dim], grown by doubling
+    up to n_ctx, plus the rotary angles of each position (in the model's dtype)."""
+
+    def __init__(self, weights: NativeWeights, n_ctx: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.weights = weights
+        self.n_ctx = n_ctx
+        self.dtype = dtype
+        self.device = device
+        self.capacity = 0
+        shape = (len(weights.layers), weights.n_kv_heads, 0, weights.head_dim)
+        self.keys = torch.empty(shape, dtype=dtype, device=device)
+        self.values = torch.empty(shape, dtype=dtype, device=device)
+        self.cos = self.sin = torch.empty(0, weights.head_dim, device=device)
+
+    def reserve(self, n: int) -> None:
+        if n <= self.capacity:
+            return
+        capacity = min(self.n_ctx, max(n, 2 * self.capacity, 64))
+        keys = self.keys.new_empty(*self.keys.shape[:2], capacity, self.keys.shape[3])
+        values = torch.empty_like(keys)
+        keys[:, :, : self.capacity] = self.keys
+        values[:, :, : self.capacity] = self.values
+        self.keys, self.values, self.capacity = keys, values, capacity
+        positions = torch.arange(capacity, device=self.device)[None]
+        probe = torch.empty(0, dtype=self.weights.embeddings.dtype, device=self.device)
+        cos, sin = self.weights.rotary(probe, positions)
+        self.cos, self.sin = cos[0], sin[0]  # [capacity, head_dim]
+
+
+class NativeBackend(HFBackend):
+    """HFBackend's interface and loading, with the native forward (see the module docstring)."""
+
+    half_precision_on_cpu = True
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        n_ctx: int = 0,
+        n_batch: int = 512,
+        threads: int | None = None,
+        name: str = "model",
+    ) -> None:
+        reason = native_unsupported(model.config)
+        if reason is not None:
+            raise SpecdecodeError(f"{name}: the native backend cannot run this model: {reason}")
+        super().__init__(model, tokenizer, n_ctx=n_ctx, n_batch=n_batch, threads=threads, name=name)
+        self._use_threads()  # the probes must see the kernels the passes will use
+        self.weights = native_weights(self.model)
+        dtype = self.weights.embeddings.dtype
+        # Attention runs in float32 at least: one query row at a time (row-invariance), where
+        # torch's half-precision kernel is several times slower than its float32 one on CPUs.
+        self._kv = KVCache(self.weights, self.n_ctx, torch.promote_types(dtype, torch.float32), self.device)
+        self.invariant = dtype in HALF_DTYPES
+
+    def truncate(self, n: int) -> None:
+        n = max(0, n)
+        del self._tokens[n:]
+        if self._recorder is not None:
+            self._recorder.truncate(n)
+
+    def _new_recorder(self, layer_ids: Sequence[int]) -> HiddenRows:
+        return HiddenRows(layer_ids, self.hidden_size)
+
+    def _forward(self, chunk: Sequence[int], keep: int) -> torch.Tensor:
+        ids = torch.tensor(list(chunk), dtype=torch.long, device=self.device)
+        logits = self._pass(ids, len(self._tokens), keep)
+        self._tokens.extend(chunk)
+        return logits[None]
+
+    def _pass(self, ids: torch.Tensor, start: int, keep: int) -> torch.Tensor:
+        """Rows for positions start..start+T-1 -> logits of the last `keep` rows [keep, V]."""
+        w, kv = self.weights, self._kv
+        n, end = ids.shape[0], start + ids.shape[0]
+        kv.reserve(end)
+        cos, sin = kv.cos[start:end], kv.sin[start:end]
+        recorded = self._recorder.layer_ids if self._recorder is not None else ()
+        captured: dict[int, torch.Tensor] = {}
+        x = F.embedding(ids, w.embeddings)  # [T, C]
+        for index, layer in enumerate(w.layers):
+            if index in recorded:
+                captured[index] = x
+            h = _rms_norm(x, layer.input_norm, w.eps)
+            q, k, v = layer.qkv(h).split(
+                [w.n_heads * w.head_dim, w.n_kv_heads * w.head_dim, w.n_kv_heads * w.head_dim], dim=-1
+            )
+            q = _rotate(q.view(n, w.n_heads, w.head_dim).transpose(0, 1), cos, sin)  # [H, T, D]
+            kv.keys[index, :, start:end] = _rotate(
+                k.view(n, w.n_kv_heads, w.head_dim).transpose(0, 1), cos, sin
+            )
+            kv.values[index, :, start:end] = v.view(n, w.n_kv_heads, w.head_dim).transpose(0, 1)
+            attended = self._attend(q.to(kv.dtype), kv.keys[index], kv.values[index], start).to(x.dtype)
+            x = x + layer.out(attended.transpose(0, 1).reshape(n, w.n_heads * w.head_dim))
+            gate, up = layer.gate_up(_rms_norm(x, layer.post_norm, w.eps)).chunk(2, dim=-1)
+            x = x + layer.down(F.silu(gate) * up)
+        if len(w.layers) in recorded:
+            captured[len(w.layers)] = x
+        if captured:
+            self._recorder.extend(torch.cat([captured[layer] for layer in recorded], dim=-1))
+        return w.lm_head(_rms_norm(x[n - keep :], w.final_norm, w.eps))
+
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int) -> torch.Tensor:
+        """Causal attention of queries [H, T, D] at positions start.. over the cached keys."""
+        n = q.shape[1]
+        gqa = self.weights.n_kv_heads != self.weights.n_heads
+        if n == 1 or (self.invariant and n <= INVARIANT_ROWS):
+            rows = [
+                F.scaled_dot_product_attention(
+                    q[None, :, i : i + 1],
+                    keys[None, :, : start + i + 1],
+                    values[None, :, : start + i + 1],
+                    enable_gqa=gqa,
+                )[0]
+                for i in range(n)
+            ]
+            return rows[0] if n == 1 else torch.cat(rows, dim=1)
+        visible = torch.ones(n, start + n, dtype=torch.bool, device=q.device).tril(start)
+        return F.scaled_dot_product_attention(
+            q[None],
+            keys[None, :, : start + n],
+            values[None, :, : start + n],
+            attn_mask=visible,
+            enable_gqa=gqa,
+        )[0]
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' Llama RMSNorm: normalise in float32 (or wider), scale in the model dtype."""
+    wide = x.to(torch.promote_types(x.dtype, torch.float32))
+    wide = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * wide.to(x.dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of [heads, T, D] with angles [T, D] (the half-split layout)."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
