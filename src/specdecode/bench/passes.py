@@ -1,0 +1,87 @@
+"""`specdecode bench-passes`: what a forward pass of T rows costs, per backend and dtype.
+
+Speculative decoding pays off as far as a verify pass of k+1 rows costs little more than a
+one-row pass, and a draft step little next to a target step. Both are properties of the
+machine, the kernels and the forward, not of the models' quality, so this measures them
+directly: after a prompt, the median time to evaluate T rows (then roll them back), for the
+target and the draft, through transformers' forward in float32 and through the backend
+`--backend`/`--dtype` choose (by default: the native forward, in bfloat16 where the CPU has
+native bf16 arithmetic).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from specdecode.backends.hf import DTYPES, HFBackend, LoadOptions
+from specdecode.backends.load import BACKENDS, load_backend
+from specdecode.backends.native import NativeBackend
+from specdecode.defaults import resolve_models
+
+ROWS = (1, 2, 3, 5, 9, 17)
+PROMPT = (
+    "import os\n\n\ndef read_lines(path):\n    with open(path) as handle:\n        return handle.read()\n" * 4
+)
+
+
+def add_bench_passes_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("bench-passes", help="time forward passes of 1..17 rows, per backend")
+    parser.set_defaults(handler=run)
+    parser.add_argument("-m", "--model", type=Path, help="target directory (default: the bundled target)")
+    parser.add_argument(
+        "-md", "--model-draft", type=Path, help="draft directory (default: the bundled draft)"
+    )
+    parser.add_argument(
+        "--backend", default="auto", choices=BACKENDS, help="the backend compared with hf float32"
+    )
+    parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help="its dtype")
+    parser.add_argument("-t", "--threads", type=int, default=1, help="CPU threads (default 1)")
+    parser.add_argument("--reps", type=int, default=30, help="timed passes per row count")
+
+
+def pass_times(backend: HFBackend, rows: tuple[int, ...], reps: int) -> dict[int, float]:
+    """Median seconds to evaluate T rows after the prompt, for each T in `rows`."""
+    prompt = backend.tokenize(PROMPT)
+    backend.truncate(0)
+    backend.evaluate(prompt)
+    cached = len(backend.tokens)
+    times = {}
+    for n in rows:
+        samples = []
+        for _ in range(reps + 2):  # two warm-up passes
+            start = time.perf_counter()
+            backend.evaluate(prompt[:n])
+            samples.append(time.perf_counter() - start)
+            backend.truncate(cached)
+        times[n] = statistics.median(samples[2:])
+    return times
+
+
+def run(args: argparse.Namespace) -> None:
+    target_dir, draft_dir = resolve_models(args.model, args.model_draft)
+    configurations = [
+        LoadOptions(dtype="float32", threads=args.threads, backend="hf"),
+        LoadOptions(dtype=args.dtype, threads=args.threads, backend=args.backend),
+    ]
+    table = Table(title=f"ms per forward pass of T rows, {args.threads} thread(s) (× the one-row pass)")
+    for column in ("model", "backend", "dtype"):
+        table.add_column(column)
+    for n in ROWS:
+        table.add_column(f"T={n}", justify="right")
+    for label, directory in (("target", target_dir), ("draft", draft_dir)):
+        if directory is None:
+            continue
+        for options in configurations:
+            backend = load_backend(directory, options)
+            times = pass_times(backend, ROWS, args.reps)
+            name = "native" if isinstance(backend, NativeBackend) else "hf"
+            dtype = str(backend.model.dtype).removeprefix("torch.")
+            cells = [f"{1e3 * times[n]:.1f} ({times[n] / times[1]:.2f})" for n in ROWS]
+            table.add_row(label, name, dtype, *cells)
+    Console(width=120).print(table)
