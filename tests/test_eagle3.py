@@ -31,10 +31,9 @@ from safetensors.torch import load_file, save_file
 
 from specdecode import DraftModelConfig, GenerationConfig, HFBackend, Pipeline, SamplingParams
 from specdecode.backends import hidden_state_source
-from specdecode.backends.hidden import capture, features
 from specdecode.cli import main
 from specdecode.eagle3 import load_head, save_head
-from specdecode.eagle3.head import HeadCache, unrolled_attention
+from specdecode.eagle3.head import HeadCache, read_target, unrolled_states
 from specdecode.eagle3.train import HeadShape, draft_vocabulary, new_head, train_eagle3, ttt_loss
 from specdecode.errors import SpecdecodeError
 from specdecode.strategies import NgramMapConfig, NgramSettings
@@ -152,20 +151,12 @@ def test_training_time_test_unrolls_exactly_what_drafting_computes():
     target = eagle3_target()
     head = new_head(target, HeadShape(4, 2, 48, 100, 4, LAYERS), torch.arange(100) * 3, seed=3)
     ids = np.random.default_rng(0).integers(3, VOCAB_SIZE, 14).tolist()
-    with torch.no_grad(), capture(target, LAYERS) as sink:
-        target(input_ids=torch.tensor([ids]))
-        feats = features(sink, LAYERS)[0]
-        tokens = torch.tensor([ids[1:]])
-        g = head.fc(feats[None, :-1])
-        positions = torch.arange(len(ids) - 1)
-        history: list = []
-        unrolled = []
-        for j in range(4):
-            h = head.layer(tokens, g, positions, unrolled_attention(head.config, j, history))
-            unrolled.append(h[0])
-            g = torch.cat([torch.zeros_like(h[:, :1]), h[:, :-1]], dim=1)
+    with torch.no_grad():
+        batch = torch.tensor([ids])
+        _, feats = read_target(target, LAYERS, batch)  # [1, T, F]: pairs 0..T-1, all drafting reads here
+        unrolled = [h[0] for h in unrolled_states(head, batch[:, 1:], head.fc(feats), 4)]
         for n in range(1, len(ids) - 4):
-            states = drafting_states(head, feats, ids, n, 4)
+            states = drafting_states(head, feats[0], ids, n, 4)
             for j, state in enumerate(states):
                 torch.testing.assert_close(unrolled[j][n - 1 + j], state, rtol=0, atol=1e-10)
 

@@ -27,9 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdecode.backends.hf import HFBackend, LoadOptions
-from specdecode.backends.hidden import capture, features
 from specdecode.eagle3.checkpoint import check_fits, default_layer_ids, save_head
-from specdecode.eagle3.head import Eagle3Config, Eagle3Head, unrolled_attention
+from specdecode.eagle3.head import Eagle3Config, Eagle3Head, read_target, unrolled_states
 from specdecode.errors import SpecdecodeError
 from specdecode.train import lm
 from specdecode.train.lm import LossFn, TrainConfig
@@ -109,22 +108,15 @@ def ttt_loss(target: nn.Module, unroll: int) -> LossFn:
     """The training-time-test loss of a head over batches [B, T+1] of target ids."""
 
     def loss_fn(head: Eagle3Head, batch: torch.Tensor) -> torch.Tensor:
-        layer_ids = head.config.target_layer_ids
-        with torch.no_grad(), capture(target, layer_ids) as sink:
-            logits = target(input_ids=batch).logits  # [B, T+1, V]
-            wanted = torch.softmax(logits[:, 1:, head.d2t].float(), dim=-1)  # [B, T, V_draft]
-        tokens = batch[:, 1:]  # pair p: (token p+1, features of p), predicting token p+2
-        g = head.fc(features(sink, layer_ids)[:, :-1].to(head.fc.weight.dtype))  # [B, T, H]
-        positions = torch.arange(tokens.shape[1], device=batch.device)
-        history: list[tuple[torch.Tensor, torch.Tensor]] = []
+        logits, feats = read_target(target, head.config.target_layer_ids, batch)
+        wanted = torch.softmax(logits[:, 1:, head.d2t].float(), dim=-1)  # [B, T, V_draft]
+        g = head.fc(feats.to(head.fc.weight.dtype))  # [B, T, H]
         total, weights = 0.0, 0.0
-        for step in range(min(unroll, tokens.shape[1])):
-            h = head.layer(tokens, g, positions, unrolled_attention(head.config, step, history))
+        for step, h in enumerate(unrolled_states(head, batch[:, 1:], g, unroll)):
             log_q = F.log_softmax(head.logits(h).float(), dim=-1)
             cross_entropy = -(wanted * log_q).sum(-1)  # [B, T]
             total = total + STEP_WEIGHT**step * cross_entropy[:, step:].mean()
             weights += STEP_WEIGHT**step
-            g = torch.cat([torch.zeros_like(h[:, :1]), h[:, :-1]], dim=1)  # own state, one position on
         return total / weights
 
     return loss_fn
