@@ -13,7 +13,8 @@ The draft vocabulary is the `draft_vocab` most frequent target ids of the traini
 The head shares the target's embeddings (neither trained nor saved) and starts from the
 target's final norm and the draft-vocabulary rows of its output head, so its output space
 means something from the first step. Loop, checkpoints, resumption, seeding and bf16
-autocast are `specdecode.train.lm`'s.
+autocast are `specdecode.train.lm`'s. The trained head's confidence is then calibrated (see
+`calibrate`), as a distilled draft's is.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdecode.backends.hf import HFBackend, LoadOptions
+from specdecode.eagle3.calibrate import calibrate_head
 from specdecode.eagle3.checkpoint import check_fits, default_layer_ids, save_head
 from specdecode.eagle3.head import Eagle3Config, Eagle3Head, read_target, unrolled_states
 from specdecode.errors import SpecdecodeError
@@ -148,6 +150,10 @@ def train_eagle3(
         head, ttt_loss(target, shape.unroll), tokens, out_dir, identity, config, progress, positions
     )
     head.eval()
+    if config.calibration_windows:
+        log["calibration"] = calibrate_head(
+            target, head, tokens, config.calibration_windows, config.seq_len, shape.unroll, config.seed
+        )
     save_head(head, out_dir, lm.SAVE_DTYPES[config.save_dtype])
     lm.write_log(out_dir, log)
     return out_dir
