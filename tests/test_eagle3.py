@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import inspect
 import json
+import shutil
 import textwrap
 from dataclasses import replace
 
@@ -39,6 +40,7 @@ from specdecode.eagle3.calibrate import agreement_sample, apply_scale, calibrate
 from specdecode.eagle3.head import HeadCache, read_target, unrolled_states
 from specdecode.eagle3.train import (
     HeadShape,
+    calibrate_saved_head,
     draft_vocabulary,
     new_head,
     train_eagle3,
@@ -659,6 +661,48 @@ def test_train_eagle3_command_writes_a_loadable_head(saved_pair, tmp_path, capsy
     head = load_head(out, HFBackend.load(target))
     assert head.config.target_layer_ids == (0, 2, 4) and head.config.draft_vocab_size == 100
     assert main([*argv[:-2], "--layer-ids", "0,x"]) == 2
+
+
+def test_calibrate_only_rescales_a_saved_head_in_place(saved_pair, tmp_path, capsys):
+    target, head = saved_pair
+    out = shutil.copytree(head, tmp_path / "head")
+    data = tmp_path / "data.py"
+    data.write_text(inspect.getsource(textwrap) * 2)
+    argv = ["train", "eagle3", "--calibrate-only", "--target", str(target), "--out", str(out)]
+    argv += ["--data", str(data), "--calibration-windows", "3", "--seq-len", "16", "--unroll", "2"]
+    record = run_json(capsys, [*argv, "--device", "cpu"])
+    assert [step["positions"] for step in record["steps"]] == [3 * 16, 3 * 15]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]  # no corpus cache
+    assert (out / "config.json").read_text() == (head / "config.json").read_text()
+    calibrated, original = load_file(out / "model.safetensors"), load_file(head / "model.safetensors")
+    for name, value in original.items():
+        if name != "norm.weight":
+            assert torch.equal(calibrated[name], value), name
+    torch.testing.assert_close(
+        calibrated["norm.weight"].double(),
+        record["scale"] * original["norm.weight"].double(),
+        rtol=2**-7,
+        atol=0,
+    )
+
+
+def test_calibrate_only_refuses_a_missing_head_before_reading_a_corpus(saved_pair, tmp_path, capsys):
+    target, head = saved_pair
+
+    def corpus(tokenizer):
+        raise AssertionError("the corpus is read only for a head that loads")
+
+    with pytest.raises(
+        SpecdecodeError, match=r"EAGLE-3 head .*nothing: expected a directory with config\.json"
+    ):
+        calibrate_saved_head(target, tmp_path / "nothing", corpus, 2, tiny_config(1))
+    argv = ["train", "eagle3", "--calibrate-only", "--target", str(target), "--device", "cpu"]
+    assert main([*argv, "--out", str(tmp_path / "nothing")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: EAGLE-3 head") and "config.json" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "nothing").exists()
+    assert main([*argv, "--out", str(head), "--calibration-windows", "0"]) == 2
+    assert "calibration_windows >= 1" in capsys.readouterr().err
 
 
 def test_bench_lists_eagle3_systems_with_a_head(saved_pair, tmp_path):

@@ -14,11 +14,13 @@ The head shares the target's embeddings (neither trained nor saved) and starts f
 target's final norm and the draft-vocabulary rows of its output head, so its output space
 means something from the first step. Loop, checkpoints, resumption, seeding and bf16
 autocast are `specdecode.train.lm`'s. The trained head's confidence is then calibrated (see
-`calibrate`), as a distilled draft's is.
+`calibrate`), as a distilled draft's is; `calibrate_saved_head` does that alone for a head
+already on disk.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -26,10 +28,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import PreTrainedTokenizerBase
 
 from specdecode.backends.hf import HFBackend, LoadOptions
 from specdecode.eagle3.calibrate import calibrate_head
-from specdecode.eagle3.checkpoint import check_fits, default_layer_ids, save_head
+from specdecode.eagle3.checkpoint import check_fits, default_layer_ids, load_head, save_head
 from specdecode.eagle3.head import Eagle3Config, Eagle3Head, read_target, unrolled_states
 from specdecode.errors import SpecdecodeError
 from specdecode.train import lm
@@ -157,3 +160,31 @@ def train_eagle3(
     save_head(head, out_dir, lm.SAVE_DTYPES[config.save_dtype])
     lm.write_log(out_dir, log)
     return out_dir
+
+
+def calibrate_saved_head(
+    target_dir: Path,
+    head_dir: Path,
+    corpus: Callable[[PreTrainedTokenizerBase], np.ndarray],
+    unroll: int,
+    config: TrainConfig,
+) -> dict:
+    """Calibrate the head in head_dir for the causal LM in target_dir and save it in place
+    (config.save_dtype), without training; returns what a training log records. `corpus` encodes
+    the calibration data with the target's tokenizer; it runs only once the head has loaded, so
+    a wrong directory fails before a corpus is encoded."""
+    if not config.calibration_windows:
+        raise SpecdecodeError("calibrating a head needs calibration_windows >= 1")
+    device = lm.prepare(config)
+    teacher = HFBackend.load(target_dir, LoadOptions(device=device.type, dtype="float32"))
+    head = load_head(head_dir, teacher)
+    positions = int(teacher.model.config.max_position_embeddings) - 1  # the target reads T+1 tokens
+    if config.seq_len > positions:
+        raise SpecdecodeError(f"seq_len {config.seq_len} exceeds the target's {positions} positions")
+    tokens = corpus(teacher.tokenizer)
+    lm.check_tokens(tokens, config, teacher.vocab.size)
+    record = calibrate_head(
+        teacher.model, head, tokens, config.calibration_windows, config.seq_len, unroll, config.seed
+    )
+    save_head(head, head_dir, lm.SAVE_DTYPES[config.save_dtype])
+    return record
