@@ -8,9 +8,12 @@ which makes them agree with the target often but not always.
 
 from __future__ import annotations
 
+import copy
 import inspect
 import json
+import shutil
 import textwrap
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -31,13 +34,21 @@ from safetensors.torch import load_file, save_file
 
 from specdecode import DraftModelConfig, GenerationConfig, HFBackend, Pipeline, SamplingParams
 from specdecode.backends import hidden_state_source
-from specdecode.backends.hidden import capture, features
 from specdecode.cli import main
 from specdecode.eagle3 import load_head, save_head
-from specdecode.eagle3.head import HeadCache, unrolled_attention
-from specdecode.eagle3.train import HeadShape, draft_vocabulary, new_head, train_eagle3, ttt_loss
+from specdecode.eagle3.calibrate import agreement_sample, apply_scale, calibrate_head
+from specdecode.eagle3.head import HeadCache, read_target, unrolled_states
+from specdecode.eagle3.train import (
+    HeadShape,
+    calibrate_saved_head,
+    draft_vocabulary,
+    new_head,
+    train_eagle3,
+    ttt_loss,
+)
 from specdecode.errors import SpecdecodeError
 from specdecode.strategies import NgramMapConfig, NgramSettings
+from specdecode.strategies.eagle3 import Eagle3Strategy
 from specdecode.testing import perturbed_copy, save_model
 from specdecode.train import lm
 from specdecode.train.lm import TrainConfig
@@ -152,20 +163,12 @@ def test_training_time_test_unrolls_exactly_what_drafting_computes():
     target = eagle3_target()
     head = new_head(target, HeadShape(4, 2, 48, 100, 4, LAYERS), torch.arange(100) * 3, seed=3)
     ids = np.random.default_rng(0).integers(3, VOCAB_SIZE, 14).tolist()
-    with torch.no_grad(), capture(target, LAYERS) as sink:
-        target(input_ids=torch.tensor([ids]))
-        feats = features(sink, LAYERS)[0]
-        tokens = torch.tensor([ids[1:]])
-        g = head.fc(feats[None, :-1])
-        positions = torch.arange(len(ids) - 1)
-        history: list = []
-        unrolled = []
-        for j in range(4):
-            h = head.layer(tokens, g, positions, unrolled_attention(head.config, j, history))
-            unrolled.append(h[0])
-            g = torch.cat([torch.zeros_like(h[:, :1]), h[:, :-1]], dim=1)
+    with torch.no_grad():
+        batch = torch.tensor([ids])
+        _, feats = read_target(target, LAYERS, batch)  # [1, T, F]: pairs 0..T-1, all drafting reads here
+        unrolled = [h[0] for h in unrolled_states(head, batch[:, 1:], head.fc(feats), 4)]
         for n in range(1, len(ids) - 4):
-            states = drafting_states(head, feats, ids, n, 4)
+            states = drafting_states(head, feats[0], ids, n, 4)
             for j, state in enumerate(states):
                 torch.testing.assert_close(unrolled[j][n - 1 + j], state, rtol=0, atol=1e-10)
 
@@ -490,12 +493,14 @@ def test_training_lowers_the_loss_writes_a_head_and_resumes(zoo, trainable, tmp_
     losses = log["losses"]
     assert len(losses) == 12 and np.mean(losses[-3:]) < 0.8 * np.mean(losses[:3])
     assert {"config.json", "model.safetensors"} <= {p.name for p in out.iterdir()}
-    # it loads for the (float64) target and drafts, losslessly
+    # it loads for the (float64) target and drafts, losslessly (at p_min 0: after 12 steps the head
+    # agrees with the target at 5% of positions, and calibrated it is never confident enough for 0.75)
     target = zoo.backend(eagle3_target())
     head = load_head(out, target)
     assert head.config.draft_vocab_size == 150
     config = GenerationConfig(n_predict=20, ignore_eos=True)
-    result = Pipeline(target, eagle3=head).generate([5, 6, 7], GREEDY, config)
+    pipe = Pipeline(target, eagle3=head, draft_config=DraftModelConfig(p_min=0.0))
+    result = pipe.generate([5, 6, 7], GREEDY, config)
     check_same(result, plain(zoo, [5, 6, 7], GREEDY, config))
     assert result.stats.totals.n_drafted > 0
     # interrupted at step 10 (after the checkpoint of step 8) and resumed: the same weights
@@ -521,6 +526,86 @@ def test_training_lowers_the_loss_writes_a_head_and_resumes(zoo, trainable, tmp_
     other = HeadShape(heads=2, kv_heads=1, intermediate=48, draft_vocab=150, unroll=3, layer_ids=LAYERS)
     with pytest.raises(SpecdecodeError, match="different run"):
         train_eagle3(tokens, target_dir, tmp_path / "b", other, tiny_config(16), progress=False)
+
+
+# --------------------------------------------------------------------------- calibration
+
+
+def first_drafts(zoo, head, contexts: list[list[int]], n_max: int) -> list[list[int]]:
+    """The greedy draft (p_min 0) after each context, from a fresh target and strategy."""
+    drafts = []
+    for ids in contexts:
+        target = zoo.backend(eagle3_target())
+        strategy = Eagle3Strategy(head, target, DraftModelConfig(n_max=n_max, p_min=0.0))
+        target.evaluate(ids[:-1])
+        drafts.append(strategy.draft(ids[:-1], ids[-1], n_max).tokens)
+    return drafts
+
+
+def test_calibration_scales_the_logits_and_keeps_every_greedy_draft(zoo):
+    """The test head is nearly calibrated already (β about 1.04): made four times less confident,
+    it is scaled back up."""
+    head = copy.deepcopy(eagle3_head())
+    apply_scale(head, 0.25)
+    tokens = eagle3_corpus()
+    contexts = [tokens[start : start + 12].tolist() for start in range(0, 800, 50)]
+    drafts = first_drafts(zoo, head, contexts, 5)
+    states = torch.randn(30, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    logits = head.logits(states)
+    record = calibrate_head(eagle3_target(), head, tokens, n_windows=4, seq_len=24, unroll=3, seed=0)
+    assert 3 < record["scale"] < 5.5
+    torch.testing.assert_close(head.logits(states), record["scale"] * logits)
+    assert first_drafts(zoo, head, contexts, 5) == drafts
+    assert [step["positions"] for step in record["steps"]] == [4 * 24, 4 * 23, 4 * 22]
+    assert record["positions"] == 4 * (24 + 23 + 22)
+    # maximum likelihood pulls the mean confidence towards the observed agreement rate
+    before = abs(record["mean_confidence_before"] - record["agreement"])
+    assert abs(record["mean_confidence_after"] - record["agreement"]) < before
+
+
+def test_step_0_events_are_the_first_drafts_against_the_target(zoo):
+    """Pair p of a window is the seed of a draft after the window's first p + 2 tokens: its event
+    is whether that draft's first token is the target's greedy next token, and its top logit is
+    the draft's."""
+    head, target = eagle3_head(), eagle3_target()
+    window = torch.from_numpy(eagle3_corpus()[:21].astype(np.int64))
+    top, agree, steps = agreement_sample(target, head, window[None], unroll=1)
+    assert len(agree) == 20 and not steps.any()
+    contexts = [window[: p + 2].tolist() for p in range(20)]
+    with torch.no_grad():
+        greedy = target(input_ids=window[None]).logits[0, 1:].argmax(-1).tolist()  # after tokens 0..p+1
+    drafts = first_drafts(zoo, head, contexts, 1)
+    assert agree.tolist() == [draft == [choice] for draft, choice in zip(drafts, greedy, strict=True)]
+    assert 0 < agree.sum() < len(agree)
+    assert top.shape == (20, 10) and torch.all(top[:, :-1] >= top[:, 1:])
+
+
+def test_train_eagle3_calibrates_and_records_it(trainable, tmp_path):
+    target_dir, tokens = trainable
+    config = replace(tiny_config(4), calibration_windows=3)
+    out = train_eagle3(tokens, target_dir, tmp_path / "a", TINY_SHAPE, config, progress=False)
+    calibration = json.loads((out / "train_log.json").read_text())["calibration"]
+    assert calibration["scale"] > 0 and len(calibration["steps"]) == TINY_SHAPE.unroll
+    assert calibration["positions"] == 3 * (24 + 23 + 22)
+    assert {"agreement", "mean_confidence_before", "mean_confidence_after"} <= set(calibration)
+    plain_run = train_eagle3(
+        tokens, target_dir, tmp_path / "b", TINY_SHAPE, replace(config, calibration_windows=0), progress=False
+    )
+    assert "calibration" not in json.loads((plain_run / "train_log.json").read_text())
+    # the same training, so only the final norm differs, by the fitted scale (bf16 on disk)
+    calibrated, uncalibrated = (
+        load_file(out / "model.safetensors"),
+        load_file(plain_run / "model.safetensors"),
+    )
+    for name, value in uncalibrated.items():
+        if name != "norm.weight":
+            assert torch.equal(calibrated[name], value), name
+    torch.testing.assert_close(
+        calibrated["norm.weight"].double(),
+        calibration["scale"] * uncalibrated["norm.weight"].double(),
+        rtol=2**-7,
+        atol=0,
+    )
 
 
 # --------------------------------------------------------------------------- command line
@@ -576,6 +661,48 @@ def test_train_eagle3_command_writes_a_loadable_head(saved_pair, tmp_path, capsy
     head = load_head(out, HFBackend.load(target))
     assert head.config.target_layer_ids == (0, 2, 4) and head.config.draft_vocab_size == 100
     assert main([*argv[:-2], "--layer-ids", "0,x"]) == 2
+
+
+def test_calibrate_only_rescales_a_saved_head_in_place(saved_pair, tmp_path, capsys):
+    target, head = saved_pair
+    out = shutil.copytree(head, tmp_path / "head")
+    data = tmp_path / "data.py"
+    data.write_text(inspect.getsource(textwrap) * 2)
+    argv = ["train", "eagle3", "--calibrate-only", "--target", str(target), "--out", str(out)]
+    argv += ["--data", str(data), "--calibration-windows", "3", "--seq-len", "16", "--unroll", "2"]
+    record = run_json(capsys, [*argv, "--device", "cpu"])
+    assert [step["positions"] for step in record["steps"]] == [3 * 16, 3 * 15]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]  # no corpus cache
+    assert (out / "config.json").read_text() == (head / "config.json").read_text()
+    calibrated, original = load_file(out / "model.safetensors"), load_file(head / "model.safetensors")
+    for name, value in original.items():
+        if name != "norm.weight":
+            assert torch.equal(calibrated[name], value), name
+    torch.testing.assert_close(
+        calibrated["norm.weight"].double(),
+        record["scale"] * original["norm.weight"].double(),
+        rtol=2**-7,
+        atol=0,
+    )
+
+
+def test_calibrate_only_refuses_a_missing_head_before_reading_a_corpus(saved_pair, tmp_path, capsys):
+    target, head = saved_pair
+
+    def corpus(tokenizer):
+        raise AssertionError("the corpus is read only for a head that loads")
+
+    with pytest.raises(
+        SpecdecodeError, match=r"EAGLE-3 head .*nothing: expected a directory with config\.json"
+    ):
+        calibrate_saved_head(target, tmp_path / "nothing", corpus, 2, tiny_config(1))
+    argv = ["train", "eagle3", "--calibrate-only", "--target", str(target), "--device", "cpu"]
+    assert main([*argv, "--out", str(tmp_path / "nothing")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: EAGLE-3 head") and "config.json" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "nothing").exists()
+    assert main([*argv, "--out", str(head), "--calibration-windows", "0"]) == 2
+    assert "calibration_windows >= 1" in capsys.readouterr().err
 
 
 def test_bench_lists_eagle3_systems_with_a_head(saved_pair, tmp_path):

@@ -15,12 +15,14 @@ indices to target ids (absolute ids here; the files store offsets, see `checkpoi
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from specdecode.backends.hidden import capture, features
 
 # attend(q [B, heads, T, D], k [B, kv, T, D], v [B, kv, T, D]) -> [B, heads, T, D]
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -254,6 +256,30 @@ def unrolled_attention(
         return out
 
     return attend
+
+
+def read_target(
+    target: nn.Module, layer_ids: tuple[int, ...], batch: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One pass of the frozen target over batch [B, T+1]: its logits [B, T+1, V] and the
+    features at `layer_ids` of pairs 0..T-1 [B, T, F] (pair p: token p+1, features of p)."""
+    with torch.no_grad(), capture(target, layer_ids) as sink:
+        logits = target(input_ids=batch).logits
+        return logits, features(sink, layer_ids)[:, :-1]
+
+
+def unrolled_states(
+    head: Eagle3Head, tokens: torch.Tensor, g: torch.Tensor, unroll: int
+) -> Iterator[torch.Tensor]:
+    """The head's pre-norm states [B, T, H] at unroll steps 0..unroll-1 over the pairs
+    (tokens [B, T], g [B, T, H]): step j at position p is what drafting computes j tokens past
+    the verified prefix ending at p - j (only positions p >= j are reachable)."""
+    positions = torch.arange(tokens.shape[1], device=tokens.device)
+    history: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for step in range(min(unroll, tokens.shape[1])):
+        h = head.layer(tokens, g, positions, unrolled_attention(head.config, step, history))
+        yield h
+        g = torch.cat([torch.zeros_like(h[:, :1]), h[:, :-1]], dim=1)  # own state, one position on
 
 
 def _shift(x: torch.Tensor, by: int) -> torch.Tensor:

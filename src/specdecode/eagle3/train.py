@@ -13,11 +13,14 @@ The draft vocabulary is the `draft_vocab` most frequent target ids of the traini
 The head shares the target's embeddings (neither trained nor saved) and starts from the
 target's final norm and the draft-vocabulary rows of its output head, so its output space
 means something from the first step. Loop, checkpoints, resumption, seeding and bf16
-autocast are `specdecode.train.lm`'s.
+autocast are `specdecode.train.lm`'s. The trained head's confidence is then calibrated (see
+`calibrate`), as a distilled draft's is; `calibrate_saved_head` does that alone for a head
+already on disk.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -25,11 +28,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import PreTrainedTokenizerBase
 
 from specdecode.backends.hf import HFBackend, LoadOptions
-from specdecode.backends.hidden import capture, features
-from specdecode.eagle3.checkpoint import check_fits, default_layer_ids, save_head
-from specdecode.eagle3.head import Eagle3Config, Eagle3Head, unrolled_attention
+from specdecode.eagle3.calibrate import calibrate_head
+from specdecode.eagle3.checkpoint import check_fits, default_layer_ids, load_head, save_head
+from specdecode.eagle3.head import Eagle3Config, Eagle3Head, read_target, unrolled_states
 from specdecode.errors import SpecdecodeError
 from specdecode.train import lm
 from specdecode.train.lm import LossFn, TrainConfig
@@ -109,22 +113,15 @@ def ttt_loss(target: nn.Module, unroll: int) -> LossFn:
     """The training-time-test loss of a head over batches [B, T+1] of target ids."""
 
     def loss_fn(head: Eagle3Head, batch: torch.Tensor) -> torch.Tensor:
-        layer_ids = head.config.target_layer_ids
-        with torch.no_grad(), capture(target, layer_ids) as sink:
-            logits = target(input_ids=batch).logits  # [B, T+1, V]
-            wanted = torch.softmax(logits[:, 1:, head.d2t].float(), dim=-1)  # [B, T, V_draft]
-        tokens = batch[:, 1:]  # pair p: (token p+1, features of p), predicting token p+2
-        g = head.fc(features(sink, layer_ids)[:, :-1].to(head.fc.weight.dtype))  # [B, T, H]
-        positions = torch.arange(tokens.shape[1], device=batch.device)
-        history: list[tuple[torch.Tensor, torch.Tensor]] = []
+        logits, feats = read_target(target, head.config.target_layer_ids, batch)
+        wanted = torch.softmax(logits[:, 1:, head.d2t].float(), dim=-1)  # [B, T, V_draft]
+        g = head.fc(feats.to(head.fc.weight.dtype))  # [B, T, H]
         total, weights = 0.0, 0.0
-        for step in range(min(unroll, tokens.shape[1])):
-            h = head.layer(tokens, g, positions, unrolled_attention(head.config, step, history))
+        for step, h in enumerate(unrolled_states(head, batch[:, 1:], g, unroll)):
             log_q = F.log_softmax(head.logits(h).float(), dim=-1)
             cross_entropy = -(wanted * log_q).sum(-1)  # [B, T]
             total = total + STEP_WEIGHT**step * cross_entropy[:, step:].mean()
             weights += STEP_WEIGHT**step
-            g = torch.cat([torch.zeros_like(h[:, :1]), h[:, :-1]], dim=1)  # own state, one position on
         return total / weights
 
     return loss_fn
@@ -156,6 +153,38 @@ def train_eagle3(
         head, ttt_loss(target, shape.unroll), tokens, out_dir, identity, config, progress, positions
     )
     head.eval()
+    if config.calibration_windows:
+        log["calibration"] = calibrate_head(
+            target, head, tokens, config.calibration_windows, config.seq_len, shape.unroll, config.seed
+        )
     save_head(head, out_dir, lm.SAVE_DTYPES[config.save_dtype])
     lm.write_log(out_dir, log)
     return out_dir
+
+
+def calibrate_saved_head(
+    target_dir: Path,
+    head_dir: Path,
+    corpus: Callable[[PreTrainedTokenizerBase], np.ndarray],
+    unroll: int,
+    config: TrainConfig,
+) -> dict:
+    """Calibrate the head in head_dir for the causal LM in target_dir and save it in place
+    (config.save_dtype), without training; returns what a training log records. `corpus` encodes
+    the calibration data with the target's tokenizer; it runs only once the head has loaded, so
+    a wrong directory fails before a corpus is encoded."""
+    if not config.calibration_windows:
+        raise SpecdecodeError("calibrating a head needs calibration_windows >= 1")
+    device = lm.prepare(config)
+    teacher = HFBackend.load(target_dir, LoadOptions(device=device.type, dtype="float32"))
+    head = load_head(head_dir, teacher)
+    positions = int(teacher.model.config.max_position_embeddings) - 1  # the target reads T+1 tokens
+    if config.seq_len > positions:
+        raise SpecdecodeError(f"seq_len {config.seq_len} exceeds the target's {positions} positions")
+    tokens = corpus(teacher.tokenizer)
+    lm.check_tokens(tokens, config, teacher.vocab.size)
+    record = calibrate_head(
+        teacher.model, head, tokens, config.calibration_windows, config.seq_len, unroll, config.seed
+    )
+    save_head(head, head_dir, lm.SAVE_DTYPES[config.save_dtype])
+    return record

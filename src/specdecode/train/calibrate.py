@@ -13,6 +13,9 @@ maximum likelihood of the agreement events — "the target's argmax equals the d
 teacher-forced windows of the training data — under the draft's top-1 probability. β is baked
 into the weight of the draft's final RMSNorm, which multiplies the logits exactly: the saved
 draft is a plain Llama, and its argmax, hence every greedy draft, is unchanged.
+
+The fit, the windows and the summary are shared with EAGLE-3 heads (`specdecode.eagle3.calibrate`),
+whose drafting reads the same top-1 probability.
 """
 
 from __future__ import annotations
@@ -77,6 +80,23 @@ def apply_scale(draft: PreTrainedModel, scale: float) -> None:
         norm.weight.mul_(scale)
 
 
+def sample_windows(tokens: np.ndarray, n_windows: int, length: int, seed: int) -> torch.Tensor:
+    """`n_windows` random windows of `length` tokens [W, length], drawn under `seed` alone."""
+    generator = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, len(tokens) - length, (n_windows,), generator=generator).numpy()
+    return torch.from_numpy(tokens[starts[:, None] + np.arange(length)].astype(np.int64))
+
+
+def summary(top_logits: torch.Tensor, agree: torch.Tensor, scale: float) -> dict:
+    """How often the models agree, against the mean top-1 probability before and after `scale`."""
+    return {
+        "positions": len(agree),
+        "agreement": float(agree.double().mean()),
+        "mean_confidence_before": float(torch.softmax(top_logits, dim=-1)[:, 0].mean()),
+        "mean_confidence_after": float(torch.softmax(top_logits * scale, dim=-1)[:, 0].mean()),
+    }
+
+
 def calibrate_draft(
     target: PreTrainedModel,
     draft: PreTrainedModel,
@@ -86,20 +106,11 @@ def calibrate_draft(
     seed: int,
 ) -> dict:
     """Fit and apply β on `n_windows` random training windows; returns what the log records."""
-    generator = torch.Generator().manual_seed(seed)
-    starts = torch.randint(0, len(tokens) - seq_len, (n_windows,), generator=generator).numpy()
-    windows = torch.from_numpy(tokens[starts[:, None] + np.arange(seq_len)].astype(np.int64))  # [W, T]
+    windows = sample_windows(tokens, n_windows, seq_len, seed)  # [W, T]
     was_training = draft.training
     draft.eval()
     top_logits, agree = agreement_sample(target, draft, windows)
     scale = fit_scale(top_logits, agree)
     apply_scale(draft, scale)
     draft.train(was_training)
-    confidence = torch.softmax(top_logits * scale, dim=-1)[:, 0]
-    return {
-        "scale": scale,
-        "positions": len(agree),
-        "agreement": float(agree.double().mean()),
-        "mean_confidence_before": float(torch.softmax(top_logits, dim=-1)[:, 0].mean()),
-        "mean_confidence_after": float(confidence.mean()),
-    }
+    return {"scale": scale, **summary(top_logits, agree, scale)}

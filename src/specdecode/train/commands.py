@@ -3,12 +3,14 @@
 The default corpus is the Python standard library's train split (see `corpus`); `--data`
 trains on your own text or code instead (a file, or a directory of files). Token streams
 are encoded once and kept beside the output (`tokens-train.npy`), so a resumed run does not
-encode again.
+encode again. `train eagle3 --calibrate-only` fits the confidence scale of the head already in
+`--out` without training it.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from dataclasses import fields
 from pathlib import Path
@@ -17,7 +19,7 @@ import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from specdecode.backends.hf import load_tokenizer
-from specdecode.eagle3.train import EAGLE3_SHAPE, HeadShape, train_eagle3
+from specdecode.eagle3.train import EAGLE3_SHAPE, HeadShape, calibrate_saved_head, train_eagle3
 from specdecode.errors import SpecdecodeError
 from specdecode.train.corpus import corpus_files, encode_files, split_files, stdlib_root
 from specdecode.train.lm import DRAFT_SHAPE, TARGET_SHAPE, TrainConfig, train_draft, train_target
@@ -40,14 +42,17 @@ def data_files(data: Path | None) -> list[Path]:
     raise SpecdecodeError(f"no training data at {data} (give a text file or a directory of files)")
 
 
-def training_tokens(tokenizer: PreTrainedTokenizerBase, args: argparse.Namespace) -> np.ndarray:
-    """The encoded corpus, cached in the output directory."""
+def training_tokens(
+    tokenizer: PreTrainedTokenizerBase, args: argparse.Namespace, keep: bool = True
+) -> np.ndarray:
+    """The encoded corpus, cached in the output directory (written there only when `keep`)."""
     cache = args.out / TOKENS_FILE
     if cache.exists():
         return np.load(cache)
     tokens = encode_files(tokenizer, data_files(args.data))
-    args.out.mkdir(parents=True, exist_ok=True)
-    np.save(cache, tokens)
+    if keep:
+        args.out.mkdir(parents=True, exist_ok=True)
+        np.save(cache, tokens)
     print(f"corpus: {len(tokens):,} tokens", file=sys.stderr)
     return tokens
 
@@ -79,6 +84,9 @@ def run_draft(args: argparse.Namespace) -> None:
 
 
 def run_eagle3(args: argparse.Namespace) -> None:
+    if args.calibrate_only:
+        run_eagle3_calibration(args)
+        return
     tokenizer = load_tokenizer(args.target)
     shape = HeadShape(
         heads=args.heads,
@@ -90,6 +98,25 @@ def run_eagle3(args: argparse.Namespace) -> None:
     )
     out = train_eagle3(training_tokens(tokenizer, args), args.target, args.out, shape, config_from_args(args))
     print(f"EAGLE-3 head -> {out}", file=sys.stderr)
+
+
+def run_eagle3_calibration(args: argparse.Namespace) -> None:
+    """Calibrate the head in --out in place. The corpus is not cached there: --out may be a
+    shipped head's directory, which holds the head's files alone."""
+    record = calibrate_saved_head(
+        args.target,
+        args.out,
+        lambda tokenizer: training_tokens(tokenizer, args, keep=False),
+        args.unroll,
+        config_from_args(args),
+    )
+    print(json.dumps(record, indent=1))
+    print(
+        f"EAGLE-3 head calibrated -> {args.out} (scale {record['scale']:.3f}; agreement "
+        f"{record['agreement']:.3f}, mean confidence {record['mean_confidence_before']:.3f} -> "
+        f"{record['mean_confidence_after']:.3f})",
+        file=sys.stderr,
+    )
 
 
 def _layer_ids(text: str | None) -> tuple[int, ...] | None:
@@ -139,6 +166,12 @@ def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     eagle3.add_argument("--target", type=Path, required=True, help="target model directory")
     eagle3.add_argument("--out", type=Path, required=True, help="output head directory")
+    eagle3.add_argument(
+        "--calibrate-only",
+        action="store_true",
+        help="no training: fit the confidence scale of the head in --out for the target and save it "
+        "there (on --calibration-windows windows of --seq-len tokens, --unroll steps)",
+    )
     head = eagle3.add_argument_group("head")
     d = EAGLE3_SHAPE
     head.add_argument("--heads", type=int, default=d.heads, help=f"attention heads (default {d.heads})")

@@ -127,7 +127,7 @@ class TrainConfig:
     precision: str = "bf16"
     distill_temperature: float = 1.0
     threads: int | None = None  # torch intra-op threads; None leaves torch's setting alone
-    calibration_windows: int = 32  # drafts: training windows that fit the confidence scale (0: none)
+    calibration_windows: int = 32  # drafts, heads: training windows that fit the confidence scale (0: none)
 
     def __post_init__(self) -> None:
         if self.calibration_windows < 0:
