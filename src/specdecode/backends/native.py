@@ -12,11 +12,11 @@ on how many rows share the product (they pick other blockings), and a one-ulp di
 bfloat16 is large enough to flip an argmax now and then: speculative output would then drift
 from plain output. So in half precision every pass of up to INVARIANT_ROWS rows gives each row
 exactly the bits it gets alone. Attention runs one query row at a time (the very call a
-one-row pass makes), and each projection is checked when the model is loaded: rows alone
-against rows together, on the real weights. A projection that fails is computed as a sum of
-K-slices that pass (in float32), or, failing that, one row at a time. In float32 and float64
-the kernels differ only in the last bits, far below the logit gaps decoding turns on, and the
-passes run batched.
+one-row pass makes), and each projection shape is checked when the model is loaded: rows alone
+against rows together, on a probe built so that any change in the order of summation shows
+(see `_order_probe`). A projection that fails is computed as a sum of K-slices that pass (in
+float32), or, failing that, one row at a time. In float32 and float64 the kernels differ only
+in the last bits, far below the logit gaps decoding turns on, and the passes run batched.
 """
 
 from __future__ import annotations
@@ -92,16 +92,41 @@ class Projection:
 
 
 def invariance_plan(weight: torch.Tensor, bias: torch.Tensor | None) -> int:
-    """The first of: one product (1), a sum over 2, 4 or 8 K-slices, that gives every row of a
-    random probe the same bits in passes of up to INVARIANT_ROWS rows as alone; else 0 (rows
-    one by one, always invariant)."""
-    generator = torch.Generator(device=weight.device).manual_seed(0)
-    probe = torch.randn((INVARIANT_ROWS, weight.shape[1]), generator=generator, device=weight.device)
-    probe = probe.to(weight.dtype)
+    """The first of: one product (1), a sum over 2, 4 or 8 K-slices, that gives every row of
+    `_order_probe` the same bits in passes of up to INVARIANT_ROWS rows as alone; else 0 (rows
+    one by one, always invariant). The kernels' order of summation follows the shapes, not the
+    values, so the probe stands in for the weight (and zeros for the bias)."""
+    probe_weight, probe = _order_probe(weight)
+    probe_bias = None if bias is None else torch.zeros_like(bias)
     for slices in (1, *SLICE_COUNTS):
-        if weight.shape[1] % slices == 0 and _rows_match(Projection(weight, bias, slices).product, probe):
+        if weight.shape[1] % slices == 0 and _rows_match(
+            Projection(probe_weight, probe_bias, slices).product, probe
+        ):
             return slices
     return 0
+
+
+def _order_probe(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight of `weight`'s shape and INVARIANT_ROWS input rows whose products cancel
+    exactly within every K-slice a plan may use, over terms spread across 2^12 in size: each
+    output is the rounding error of its sum, so any change in the order of summation changes
+    its bits. (On random inputs such a change shows in about one output in ten thousand: a
+    random probe passes by luck, and verify passes then give rows other bits than one-row
+    passes.)"""
+    n, k = weight.shape
+    like = {"dtype": weight.dtype, "device": weight.device}
+    generator = torch.Generator(device=weight.device).manual_seed(0)
+    blocks = max((s for s in (1, *SLICE_COUNTS) if k % (2 * s) == 0), default=1)
+    block = k // blocks
+    half = block // 2
+    sizes = torch.randint(0, 12, (k,), generator=generator, device=weight.device)
+    probe_weight = torch.randn((n, k), generator=generator, **like) * torch.pow(2.0, sizes).to(weight.dtype)
+    probe = torch.randn((INVARIANT_ROWS, k), generator=generator, **like)
+    for start in range(0, blocks * block, block):
+        mirror = slice(start + half, start + 2 * half)
+        probe_weight[:, mirror] = -probe_weight[:, start : start + half]
+        probe[:, mirror] = probe[:, start : start + half]
+    return probe_weight, probe
 
 
 def _rows_match(product, x: torch.Tensor) -> bool:
@@ -317,8 +342,9 @@ class NativeBackend(HFBackend):
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' Llama RMSNorm: normalise in float32 (or wider), scale in the model dtype."""
-    wide = x.to(torch.promote_types(x.dtype, torch.float32))
+    """transformers' Llama RMSNorm: normalise in float32 (in float64 models too, so that the
+    native forward computes what transformers' does), scale in the model dtype."""
+    wide = x.float()
     wide = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)
     return weight * wide.to(x.dtype)
 
