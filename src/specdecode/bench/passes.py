@@ -4,9 +4,9 @@ Speculative decoding pays off as far as a verify pass of k+1 rows costs little m
 one-row pass, and a draft step little next to a target step. Both are properties of the
 machine, the kernels and the forward, not of the models' quality, so this measures them
 directly: after a prompt, the median time to evaluate T rows (then roll them back), for the
-target and the draft, through transformers' forward in float32 and through the backend
-`--backend`/`--dtype` choose (by default: the native forward, in bfloat16 where the CPU has
-native bf16 arithmetic).
+target and the draft, through transformers' forward in float32, through the backend
+`--backend` chooses in float32, and through that backend in `--dtype` (by default: the native
+forward, in bfloat16 where the CPU has native bf16 arithmetic).
 """
 
 from __future__ import annotations
@@ -67,6 +67,7 @@ def run(args: argparse.Namespace) -> None:
     target_dir, draft_dir = resolve_models(args.model, args.model_draft)
     configurations = [
         LoadOptions(dtype="float32", threads=args.threads, backend="hf"),
+        LoadOptions(dtype="float32", threads=args.threads, backend=args.backend),
         LoadOptions(dtype=args.dtype, threads=args.threads, backend=args.backend),
     ]
     table = Table(title=f"ms per forward pass of T rows, {args.threads} thread(s) (× the one-row pass)")
@@ -77,8 +78,12 @@ def run(args: argparse.Namespace) -> None:
     for label, directory in (("target", target_dir), ("draft", draft_dir)):
         if directory is None:
             continue
+        seen = set()
         for options in configurations:
             backend = load_backend(directory, options)
+            if (type(backend), backend.model.dtype) in seen:
+                continue
+            seen.add((type(backend), backend.model.dtype))
             times = pass_times(backend, ROWS, args.reps)
             name = "native" if isinstance(backend, NativeBackend) else "hf"
             dtype = str(backend.model.dtype).removeprefix("torch.")
