@@ -172,3 +172,14 @@ def test_every_run_of_ours_starts_cold(pair):
     first, second = system.run(prompt, 40), system.run(prompt, 40)
     assert first.tokens == second.tokens
     assert first.stats.totals.n_drafted == second.stats.totals.n_drafted
+
+
+def test_bench_passes_times_every_row_count_for_target_and_draft(pair, capsys):
+    target, draft = pair
+    assert main(["bench-passes", "-m", str(target), "-md", str(draft), "--reps", "1"]) == 0
+    printed = capsys.readouterr().out
+    assert all(f"T={n}" in printed for n in (1, 2, 3, 5, 9, 17))
+    rows = [line for line in printed.splitlines() if line.startswith("│")]
+    # float64 models: hf, and the native forward (auto dtype keeps float64 once, float32 once)
+    assert [row.split("│")[1].strip() for row in rows] == ["target"] * 3 + ["draft"] * 3
+    assert {row.split("│")[2].strip() for row in rows} == {"hf", "native"}
