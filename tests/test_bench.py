@@ -56,7 +56,8 @@ def test_quick_run_writes_json_markdown_and_plots_with_every_system(pair, tmp_pa
 
 def test_hugging_face_greedy_generate_equals_our_plain_output(pair, tmp_path):
     target, draft = pair
-    argv = ["bench", "-m", str(target), "-md", str(draft), "--systems", "plain,hf-plain,hf-assisted"]
+    systems = "plain,ngram-simple+draft,hf-plain,hf-assisted"  # a chain's strategies joined by +
+    argv = ["bench", "-m", str(target), "-md", str(draft), "--systems", systems]
     argv += [
         "-p",
         "def f(x):\n    return",
@@ -71,7 +72,7 @@ def test_hugging_face_greedy_generate_equals_our_plain_output(pair, tmp_path):
     ]
     assert main([*argv, "--sweep", "0", "--no-plots"]) == 0
     rows = json.loads((tmp_path / "results.json").read_text())["rows"]
-    assert [r["system"] for r in rows] == ["plain", "hf-plain", "hf-assisted"]
+    assert [r["system"] for r in rows] == ["plain", "ngram-simple,draft", "hf-plain", "hf-assisted"]
     assert all(r["exact_match_rate"] == 1.0 for r in rows)  # float64: no numeric ties
     assert not list(tmp_path.glob("*.png"))
 

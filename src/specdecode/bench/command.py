@@ -49,7 +49,11 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     group = parser.add_argument_group("benchmark")
     group.add_argument("--quick", action="store_true", help="1 prompt per task, 32 tokens, 1 run")
     group.add_argument("--tasks", default=",".join(TASK_NAMES), help="comma-separated tasks")
-    group.add_argument("--systems", help="comma-separated systems (default: all that the models allow)")
+    group.add_argument(
+        "--systems",
+        help="comma-separated systems, a chain's strategies joined by + (ngram-simple+draft); "
+        "default: all that the models allow",
+    )
     group.add_argument("--no-hf", action="store_true", help="leave Hugging Face's generate out")
     group.add_argument("-p", "--prompt", action="append", help="your own prompt (repeatable): a custom task")
     group.add_argument("-f", "--file", action="append", help="a file whose text is one custom prompt")
@@ -124,7 +128,7 @@ def run_bench(
     target, draft, eagle3 = load_models(args, target_options, draft_options)
     draft_config = DraftModelConfig(args.draft_max, args.draft_min, args.draft_p_min)
     names = (
-        [name.strip() for name in args.systems.split(",")]
+        [name.strip().replace("+", ",") for name in args.systems.split(",")]
         if args.systems
         else system_names(draft is not None, include_hf=not args.no_hf, has_eagle3=eagle3 is not None)
     )
