@@ -102,6 +102,12 @@ def test_tasks_come_from_held_out_files_and_are_deterministic():
         build_tasks(["free"], 0)
 
 
+def test_a_tasks_prompts_do_not_depend_on_the_other_tasks_asked():
+    alone = build_tasks(["completion"], 2)[0]
+    assert build_tasks(["extraction", "completion"], 2)[1] == alone
+    assert build_tasks(["free", "completion", "editing"], 2)[1] == alone
+
+
 def test_rounds_rotate_the_order_after_warm_up():
     plan = rounds(["a", "b", "c"], runs=3, warmup=1)
     assert plan == [

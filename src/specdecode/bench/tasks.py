@@ -151,17 +151,17 @@ def build_tasks(names: Sequence[str], per_task: int, files: Sequence[Path] | Non
     if per_task < 1:
         raise SpecdecodeError(f"prompts per task must be >= 1, not {per_task}")
     files = sorted(files if files is not None else heldout_files(), key=str)
-    tasks, used = [], set()
-    for name in names:
+    built, used = {}, set()
+    for name in TASK_NAMES:  # all, in one order: a task's prompts do not depend on the others asked
         prompts = (
             free_prompts(files, per_task)
             if name == "free"
             else function_prompts(files, PROMPT_MAKERS[name], per_task, used)
         )
-        if not prompts:
+        if not prompts and name in names:
             raise SpecdecodeError(f"the held-out files give no prompt for the {name} task")
-        tasks.append(Task(name, tuple(prompts)))
-    return tasks
+        built[name] = Task(name, tuple(prompts))
+    return [built[name] for name in names]
 
 
 def custom_task(prompts: Sequence[str]) -> Task:
