@@ -36,12 +36,17 @@ from specdecode import DraftModelConfig, GenerationConfig, HFBackend, Pipeline, 
 from specdecode.backends import hidden_state_source
 from specdecode.cli import main
 from specdecode.eagle3 import load_head, save_head
+from specdecode.eagle3 import train as eagle3_train
 from specdecode.eagle3.calibrate import agreement_sample, apply_scale, calibrate_head
 from specdecode.eagle3.head import HeadCache, read_target, unrolled_states
 from specdecode.eagle3.train import (
+    GENERATED_FILE,
+    NEW_TOKENS,
+    PREFIX_TOKENS,
     HeadShape,
     calibrate_saved_head,
     draft_vocabulary,
+    generate_sequences,
     new_head,
     train_eagle3,
     ttt_loss,
@@ -528,6 +533,57 @@ def test_training_lowers_the_loss_writes_a_head_and_resumes(zoo, trainable, tmp_
         train_eagle3(tokens, target_dir, tmp_path / "b", other, tiny_config(16), progress=False)
 
 
+def windows_of(stream: np.ndarray, length: int) -> set[tuple[int, ...]]:
+    return {tuple(row) for row in np.lib.stride_tricks.sliding_window_view(stream, length).tolist()}
+
+
+def test_self_distillation_trains_on_the_targets_greedy_continuations(trainable, tmp_path, monkeypatch):
+    target_dir, tokens = trainable
+    target = eagle3_target()
+    out = tmp_path / "head"
+    batches = []
+    real = lm._batch_for_step
+
+    def record(tokens, config, step):
+        batches.append(real(tokens, config, step))
+        return batches[-1]
+
+    monkeypatch.setattr(lm, "_batch_for_step", record)
+    train_eagle3(tokens, target_dir, out, TINY_SHAPE, tiny_config(4), progress=False, generated_tokens=400)
+    sequences = np.load(out / GENERATED_FILE)
+    assert sequences.shape == (3, PREFIX_TOKENS + NEW_TOKENS)  # ceil(400 / 192) sequences
+    # each is a cut of the corpus, then what the target chooses greedily after every prefix of it
+    corpus_prefixes = windows_of(tokens, PREFIX_TOKENS)
+    assert all(tuple(row[:PREFIX_TOKENS].tolist()) in corpus_prefixes for row in sequences)
+    with torch.no_grad():
+        greedy = target(input_ids=torch.from_numpy(sequences.astype(np.int64))).logits.argmax(-1)
+    continuations = torch.from_numpy(sequences[:, PREFIX_TOKENS:]).long()
+    assert torch.equal(greedy[:, PREFIX_TOKENS - 1 : -1], continuations)
+    # training read windows of the generated sequences, not of the corpus
+    generated = windows_of(sequences.reshape(-1), tiny_config(4).seq_len + 1)
+    assert len(batches) == 4 and all(tuple(row) in generated for batch in batches for row in batch.tolist())
+    head = load_head(out, HFBackend.load(target_dir))
+    assert torch.equal(head.d2t, draft_vocabulary(sequences.reshape(-1), VOCAB_SIZE, TINY_SHAPE.draft_vocab))
+    # seeded: the same sequences again, others under another seed; kept, so not generated again
+    assert np.array_equal(generate_sequences(target, tokens, 400, seed=0, progress=False), sequences)
+    assert not np.array_equal(generate_sequences(target, tokens, 400, seed=1, progress=False), sequences)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("generated again")
+
+    monkeypatch.setattr(eagle3_train, "generate_sequences", refuse)
+    train_eagle3(tokens, target_dir, out, TINY_SHAPE, tiny_config(6), progress=False, generated_tokens=400)
+    assert json.loads((out / "train_log.json").read_text())["resumed_from"] == 4
+    with pytest.raises(SpecdecodeError, match="use another output directory"):  # 3 sequences, not 4
+        train_eagle3(tokens, target_dir, out, TINY_SHAPE, tiny_config(6), generated_tokens=600)
+
+
+def test_negative_generated_token_counts_are_refused(trainable, tmp_path):
+    target_dir, tokens = trainable
+    with pytest.raises(SpecdecodeError, match="generated_tokens must be >= 0"):
+        train_eagle3(tokens, target_dir, tmp_path, TINY_SHAPE, tiny_config(4), generated_tokens=-1)
+
+
 # --------------------------------------------------------------------------- calibration
 
 
@@ -661,6 +717,9 @@ def test_train_eagle3_command_writes_a_loadable_head(saved_pair, tmp_path, capsy
     head = load_head(out, HFBackend.load(target))
     assert head.config.target_layer_ids == (0, 2, 4) and head.config.draft_vocab_size == 100
     assert main([*argv[:-2], "--layer-ids", "0,x"]) == 2
+    capsys.readouterr()
+    assert main([*argv, "--generated-tokens", "-5"]) == 2
+    assert capsys.readouterr().err.startswith("error: generated_tokens must be >= 0")
 
 
 def test_calibrate_only_rescales_a_saved_head_in_place(saved_pair, tmp_path, capsys):

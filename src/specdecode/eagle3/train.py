@@ -16,6 +16,14 @@ means something from the first step. Loop, checkpoints, resumption, seeding and 
 autocast are `specdecode.train.lm`'s. The trained head's confidence is then calibrated (see
 `calibrate`), as a distilled draft's is; `calibrate_saved_head` does that alone for a head
 already on disk.
+
+Self-distillation (`generated_tokens` > 0, EAGLE's recipe): the head is trained, and
+calibrated, on text the target wrote instead of the corpus. At drafting time the head
+continues the target's own output, which is far more predictable than human text (all the
+more from a small target), so a head trained on the corpus learns the wrong distribution of
+contexts. Each sequence is a random `PREFIX_TOKENS`-token cut of the corpus followed by the
+target's `NEW_TOKENS` greedy tokens; the sequences are kept in out_dir (`GENERATED_FILE`), so
+a resumed run does not generate them again.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from tqdm import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from specdecode.backends.hf import HFBackend, LoadOptions
@@ -39,6 +48,10 @@ from specdecode.train import lm
 from specdecode.train.lm import LossFn, TrainConfig
 
 STEP_WEIGHT = 0.8  # weight of unroll step j: STEP_WEIGHT ** j
+GENERATED_FILE = "tokens-generated.npy"
+PREFIX_TOKENS = 64  # corpus tokens before each generated continuation
+NEW_TOKENS = 192  # the target's greedy tokens after each prefix
+GENERATION_BATCH = 32  # sequences generated together
 
 
 @dataclass(frozen=True)
@@ -127,6 +140,61 @@ def ttt_loss(target: nn.Module, unroll: int) -> LossFn:
     return loss_fn
 
 
+@torch.no_grad()
+def greedy_continuations(target: nn.Module, prefixes: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    """prefixes [B, P] followed by the target's `new_tokens` greedy tokens: [B, P + new_tokens].
+    One pass per token over the target's KV cache; no stop at EOS (the target goes on to what
+    it would write after it)."""
+    out = target(input_ids=prefixes, use_cache=True)
+    new = [out.logits[:, -1:].argmax(-1)]  # [B, 1] each
+    while len(new) < new_tokens:
+        out = target(input_ids=new[-1], past_key_values=out.past_key_values, use_cache=True)
+        new.append(out.logits[:, -1:].argmax(-1))
+    return torch.cat([prefixes, *new], dim=1)
+
+
+def generate_sequences(
+    target: nn.Module, tokens: np.ndarray, n_tokens: int, seed: int, progress: bool = True
+) -> np.ndarray:
+    """ceil(n_tokens / NEW_TOKENS) sequences [S, PREFIX_TOKENS + NEW_TOKENS] (int32): corpus
+    prefixes cut at random (seeded) positions, each followed by the target's greedy continuation."""
+    if len(tokens) < PREFIX_TOKENS:
+        raise SpecdecodeError(f"{len(tokens)} corpus tokens cannot give a {PREFIX_TOKENS}-token prefix")
+    count = -(-n_tokens // NEW_TOKENS)
+    generator = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, len(tokens) - PREFIX_TOKENS + 1, (count,), generator=generator).numpy()
+    prefixes = torch.from_numpy(tokens[starts[:, None] + np.arange(PREFIX_TOKENS)].astype(np.int64))
+    device = next(target.parameters()).device
+    bar = tqdm(total=count * NEW_TOKENS, disable=not progress, unit="tok", desc="generating")
+    rows = []
+    for first in range(0, count, GENERATION_BATCH):
+        batch = prefixes[first : first + GENERATION_BATCH].to(device)
+        rows.append(greedy_continuations(target, batch, NEW_TOKENS).cpu())
+        bar.update(len(batch) * NEW_TOKENS)
+    bar.close()
+    return torch.cat(rows).numpy().astype(np.int32)
+
+
+def generated_sequences(
+    target: nn.Module, tokens: np.ndarray, n_tokens: int, out_dir: Path, seed: int, progress: bool
+) -> np.ndarray:
+    """`generate_sequences`, kept in out_dir/GENERATED_FILE and read back from there."""
+    path = out_dir / GENERATED_FILE
+    if path.exists():
+        sequences = np.load(path)
+        wanted = (-(-n_tokens // NEW_TOKENS), PREFIX_TOKENS + NEW_TOKENS)
+        if sequences.shape != wanted:
+            raise SpecdecodeError(
+                f"{path} holds sequences of shape {sequences.shape}, not the {wanted} that "
+                f"{n_tokens} generated tokens make; use another output directory or delete it"
+            )
+        return sequences
+    sequences = generate_sequences(target, tokens, n_tokens, seed, progress)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    np.save(path, sequences)
+    return sequences
+
+
 def train_eagle3(
     tokens: np.ndarray,
     target_dir: Path,
@@ -134,19 +202,30 @@ def train_eagle3(
     shape: HeadShape,
     config: TrainConfig,
     progress: bool = True,
+    generated_tokens: int = 0,
 ) -> Path:
-    """Train a head for the causal LM in target_dir on `tokens` (ids of its tokenizer); write
+    """Train a head for the causal LM in target_dir on `tokens` (ids of its tokenizer), or, when
+    generated_tokens > 0, on that many tokens the target generates from prefixes of them; write
     config.json, model.safetensors and train_log.json into out_dir, resuming from
     out_dir/checkpoint/ if present."""
+    if generated_tokens < 0:
+        raise SpecdecodeError(f"generated_tokens must be >= 0 (0: the corpus), not {generated_tokens}")
     out_dir = Path(out_dir)
     device = lm.prepare(config)
     teacher = HFBackend.load(target_dir, LoadOptions(device=device.type, dtype="float32"))
     vocab_size = teacher.vocab.size
-    lm.check_tokens(tokens, config, vocab_size)
     target = teacher.model.eval().requires_grad_(False)
+    lm.check_tokens(tokens, config, vocab_size)
+    if generated_tokens:
+        # one stream, as the corpus is: a window may span the end of one sequence and the next
+        sequences = generated_sequences(target, tokens, generated_tokens, out_dir, config.seed, progress)
+        tokens = sequences.reshape(-1)
+        lm.check_tokens(tokens, config, vocab_size)
     d2t = draft_vocabulary(tokens, vocab_size, shape.draft_vocab)
     head = new_head(target, shape, d2t, config.seed)
     identity = {**lm.run_identity("eagle3", shape, config), "vocab_size": vocab_size}
+    if generated_tokens:
+        identity["generated_tokens"] = generated_tokens
     identity["shape"] = asdict(shape) | {"layer_ids": list(head.config.target_layer_ids)}
     positions = int(target.config.max_position_embeddings) - 1  # the target reads T+1 tokens
     log = lm.train_loop(

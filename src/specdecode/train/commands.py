@@ -19,7 +19,14 @@ import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from specdecode.backends.hf import load_tokenizer
-from specdecode.eagle3.train import EAGLE3_SHAPE, HeadShape, calibrate_saved_head, train_eagle3
+from specdecode.eagle3.train import (
+    EAGLE3_SHAPE,
+    NEW_TOKENS,
+    PREFIX_TOKENS,
+    HeadShape,
+    calibrate_saved_head,
+    train_eagle3,
+)
 from specdecode.errors import SpecdecodeError
 from specdecode.train.corpus import corpus_files, encode_files, split_files, stdlib_root
 from specdecode.train.lm import DRAFT_SHAPE, TARGET_SHAPE, TrainConfig, train_draft, train_target
@@ -96,7 +103,9 @@ def run_eagle3(args: argparse.Namespace) -> None:
         unroll=args.unroll,
         layer_ids=_layer_ids(args.layer_ids),
     )
-    out = train_eagle3(training_tokens(tokenizer, args), args.target, args.out, shape, config_from_args(args))
+    tokens = training_tokens(tokenizer, args)
+    config = config_from_args(args)
+    out = train_eagle3(tokens, args.target, args.out, shape, config, generated_tokens=args.generated_tokens)
     print(f"EAGLE-3 head -> {out}", file=sys.stderr)
 
 
@@ -191,5 +200,14 @@ def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
         "--unroll", type=int, default=d.unroll, help=f"training-time-test steps (default {d.unroll})"
     )
     head.add_argument("--layer-ids", help="target layers read, comma-separated (default 2,L/2,L-3)")
+    eagle3.add_argument(
+        "--generated-tokens",
+        type=int,
+        default=0,
+        metavar="N",
+        help="self-distillation: train on N tokens the target writes greedily after "
+        f"{PREFIX_TOKENS}-token corpus prefixes ({NEW_TOKENS} per prefix; kept in --out), "
+        "not on the corpus (default 0: the corpus)",
+    )
     add_training_args(eagle3)
     eagle3.set_defaults(handler=run_eagle3)
