@@ -248,20 +248,13 @@ class NativeBackend(HFBackend):
 
     half_precision_on_cpu = True
 
-    def __init__(
-        self,
-        model: PreTrainedModel,
-        tokenizer: PreTrainedTokenizerBase,
-        *,
-        n_ctx: int = 0,
-        n_batch: int = 512,
-        threads: int | None = None,
-        name: str = "model",
-    ) -> None:
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, **options) -> None:
+        """options: HFBackend's (n_ctx, n_batch, threads, name)."""
         reason = native_unsupported(model.config)
         if reason is not None:
+            name = options.get("name", "model")
             raise SpecdecodeError(f"{name}: the native backend cannot run this model: {reason}")
-        super().__init__(model, tokenizer, n_ctx=n_ctx, n_batch=n_batch, threads=threads, name=name)
+        super().__init__(model, tokenizer, **options)
         self._use_threads()  # the probes must see the kernels the passes will use
         self.weights = native_weights(self.model)
         dtype = self.weights.embeddings.dtype
