@@ -14,6 +14,7 @@ import json
 import shutil
 import textwrap
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -649,19 +650,7 @@ def test_train_eagle3_calibrates_and_records_it(trainable, tmp_path):
     )
     assert "calibration" not in json.loads((plain_run / "train_log.json").read_text())
     # the same training, so only the final norm differs, by the fitted scale (bf16 on disk)
-    calibrated, uncalibrated = (
-        load_file(out / "model.safetensors"),
-        load_file(plain_run / "model.safetensors"),
-    )
-    for name, value in uncalibrated.items():
-        if name != "norm.weight":
-            assert torch.equal(calibrated[name], value), name
-    torch.testing.assert_close(
-        calibrated["norm.weight"].double(),
-        calibration["scale"] * uncalibrated["norm.weight"].double(),
-        rtol=2**-7,
-        atol=0,
-    )
+    assert_only_norm_scaled(out, plain_run, calibration["scale"])
 
 
 # --------------------------------------------------------------------------- command line
@@ -733,16 +722,7 @@ def test_calibrate_only_rescales_a_saved_head_in_place(saved_pair, tmp_path, cap
     assert [step["positions"] for step in record["steps"]] == [3 * 16, 3 * 15]
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]  # no corpus cache
     assert (out / "config.json").read_text() == (head / "config.json").read_text()
-    calibrated, original = load_file(out / "model.safetensors"), load_file(head / "model.safetensors")
-    for name, value in original.items():
-        if name != "norm.weight":
-            assert torch.equal(calibrated[name], value), name
-    torch.testing.assert_close(
-        calibrated["norm.weight"].double(),
-        record["scale"] * original["norm.weight"].double(),
-        rtol=2**-7,
-        atol=0,
-    )
+    assert_only_norm_scaled(out, head, record["scale"])
 
 
 def test_calibrate_only_refuses_a_missing_head_before_reading_a_corpus(saved_pair, tmp_path, capsys):
@@ -775,3 +755,16 @@ def test_bench_lists_eagle3_systems_with_a_head(saved_pair, tmp_path):
     assert "draft" not in results["systems"]
     for row in results["rows"]:
         assert row["exact_match_rate"] == 1.0, row
+
+
+def assert_only_norm_scaled(calibrated_dir: Path, original_dir: Path, scale: float) -> None:
+    """The calibrated head's file equals the original's but for norm.weight, scaled by `scale`
+    (to bf16 precision)."""
+    calibrated = load_file(calibrated_dir / "model.safetensors")
+    original = load_file(original_dir / "model.safetensors")
+    for name, value in original.items():
+        if name != "norm.weight":
+            assert torch.equal(calibrated[name], value), name
+    torch.testing.assert_close(
+        calibrated["norm.weight"].double(), scale * original["norm.weight"].double(), rtol=2**-7, atol=0
+    )

@@ -153,6 +153,11 @@ def greedy_continuations(target: nn.Module, prefixes: torch.Tensor, new_tokens: 
     return torch.cat([prefixes, *new], dim=1)
 
 
+def sequence_count(n_tokens: int) -> int:
+    """Sequences needed for n_tokens generated tokens (NEW_TOKENS each, rounded up)."""
+    return -(-n_tokens // NEW_TOKENS)
+
+
 def generate_sequences(
     target: nn.Module, tokens: np.ndarray, n_tokens: int, seed: int, progress: bool = True
 ) -> np.ndarray:
@@ -160,7 +165,7 @@ def generate_sequences(
     prefixes cut at random (seeded) positions, each followed by the target's greedy continuation."""
     if len(tokens) < PREFIX_TOKENS:
         raise SpecdecodeError(f"{len(tokens)} corpus tokens cannot give a {PREFIX_TOKENS}-token prefix")
-    count = -(-n_tokens // NEW_TOKENS)
+    count = sequence_count(n_tokens)
     generator = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, len(tokens) - PREFIX_TOKENS + 1, (count,), generator=generator).numpy()
     prefixes = torch.from_numpy(tokens[starts[:, None] + np.arange(PREFIX_TOKENS)].astype(np.int64))
@@ -182,7 +187,7 @@ def generated_sequences(
     path = out_dir / GENERATED_FILE
     if path.exists():
         sequences = np.load(path)
-        wanted = (-(-n_tokens // NEW_TOKENS), PREFIX_TOKENS + NEW_TOKENS)
+        wanted = (sequence_count(n_tokens), PREFIX_TOKENS + NEW_TOKENS)
         if sequences.shape != wanted:
             raise SpecdecodeError(
                 f"{path} holds sequences of shape {sequences.shape}, not the {wanted} that "
