@@ -11,21 +11,66 @@ import torch
 
 @dataclass(frozen=True)
 class Draft:
-    """Proposed continuation of `history + [last]`, in target ids.
+    """Proposed continuation of `history + [last]`, in target ids: a chain or a token tree.
 
-    probs: [K, V] the distribution each token was sampled from (rejection verification);
-    None for a deterministic proposer, which verification treats as a point mass.
+    tokens: the nodes, parents before children. parents: None for a chain (node i follows
+    node i-1, node 0 follows `last`); for a tree, parents[i] is the index of node i's parent
+    (< i), or -1 when node i follows `last` directly. Siblings are listed in the order
+    verification tries them.
+    probs: [K, V] the distribution each node was drawn from (rejection verification): for
+    siblings drawn without replacement, node i's row is the parent's distribution with the
+    earlier siblings removed and renormalised. None for a deterministic proposer, which
+    verification treats as a point mass on each node.
     An empty draft means "no opinion": the step falls back to one plain target token.
     """
 
     tokens: list[int] = field(default_factory=list)
     probs: torch.Tensor | None = None
     strategy: str | None = None  # set by the chain: who drafted it
+    parents: list[int] | None = None
 
-    def truncated(self, n: int) -> Draft:
-        if len(self.tokens) <= n:
+    def __post_init__(self) -> None:
+        if self.parents is not None:
+            assert len(self.parents) == len(self.tokens), "one parent per node"
+            assert all(-1 <= p < i for i, p in enumerate(self.parents)), "parents must come first"
+
+    @property
+    def is_chain(self) -> bool:
+        return self.parents is None
+
+    def parent_list(self) -> list[int]:
+        """parents[i] for every node, chains included."""
+        return list(range(-1, len(self.tokens) - 1)) if self.parents is None else list(self.parents)
+
+    def depths(self) -> list[int]:
+        """depths[i]: 1 for a child of `last`, parent's depth + 1 below it."""
+        depths: list[int] = []
+        for parent in self.parent_list():
+            depths.append(1 if parent < 0 else depths[parent] + 1)
+        return depths
+
+    @property
+    def depth(self) -> int:
+        """The longest path: the most tokens a verification can accept."""
+        return len(self.tokens) if self.parents is None else max(self.depths(), default=0)
+
+    def truncated(self, depth: int, nodes: int | None = None) -> Draft:
+        """The draft cut to paths of at most `depth` tokens and (trees) the first `nodes` nodes."""
+        if self.parents is None:
+            n = min(depth, len(self.tokens) if nodes is None else nodes)
+            if len(self.tokens) <= n:
+                return self
+            return replace(self, tokens=self.tokens[:n], probs=None if self.probs is None else self.probs[:n])
+        keep = [i for i, d in enumerate(self.depths()) if d <= depth][:nodes]
+        if len(keep) == len(self.tokens):
             return self
-        return replace(self, tokens=self.tokens[:n], probs=None if self.probs is None else self.probs[:n])
+        index = {old: new for new, old in enumerate(keep)}  # parents come first, so they are kept
+        return replace(
+            self,
+            tokens=[self.tokens[i] for i in keep],
+            parents=[index.get(self.parents[i], -1) for i in keep],
+            probs=None if self.probs is None else self.probs[keep],
+        )
 
 
 class Strategy(Protocol):
