@@ -81,7 +81,7 @@ def test_draft_shorter_than_n_min_is_dropped_for_the_next_strategy():
     draft = chain.draft([1], 2, 16)
     assert (draft.tokens, draft.strategy) == ([6, 7, 8], "b")
     assert chain.stats[0].n_gen_drafts == 0 and chain.stats[0].n_call_draft == 1
-    chain.accept(3, 1)
+    chain.accept(draft, 1)
     assert a.named("accept") == [] and b.named("accept") == [("accept", 1)]
 
 
@@ -90,7 +90,7 @@ def test_all_drafts_too_short_gives_an_empty_draft_and_accept_goes_nowhere():
     chain = Chain([a, b])
     draft = chain.draft([1], 2, 16)
     assert draft.tokens == [] and draft.strategy is None
-    chain.accept(0, 0)
+    chain.accept(draft, 0)
     assert a.named("accept") == b.named("accept") == []
     assert all(s.counts.n_drafts == 0 for s in chain.stats)
 
@@ -116,10 +116,8 @@ def test_accept_routed_to_the_drafter_and_never_with_zero():
     assert a.named("begin") == b.named("begin") == [("begin", [1, 2])]
     assert [s.n_call_begin for s in chain.stats] == [1, 1]
 
-    chain.draft([1, 2], 9, 8)
-    chain.accept(3, 2)
-    chain.draft([1, 2, 9, 3, 4], 7, 8)
-    chain.accept(3, 0)
+    chain.accept(chain.draft([1, 2], 9, 8), 2)
+    chain.accept(chain.draft([1, 2, 9, 3, 4], 7, 8), 0)
     assert b.named("accept") == [("accept", 2)]
     assert a.named("accept") == []
     counts = chain.stats[1].counts
@@ -131,8 +129,9 @@ def test_accept_routed_to_the_drafter_and_never_with_zero():
 def test_empty_chain():
     chain = Chain([])
     assert not chain
-    assert chain.draft([1], 2, 4).tokens == []
-    chain.accept(0, 0)
+    draft = chain.draft([1], 2, 4)
+    assert draft.tokens == []
+    chain.accept(draft, 0)
     assert chain.stats == []
 
 

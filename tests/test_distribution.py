@@ -22,6 +22,7 @@ from scipy import stats
 from specdecode import DraftModelConfig, GenerationConfig, HFBackend, Pipeline, SamplingParams
 from specdecode.eagle3.train import HeadShape, new_head, ttt_loss
 from specdecode.sampling import Sampler, distribution
+from specdecode.strategies import Draft
 from specdecode.testing import make_llama, make_tokenizer, perturbed_copy
 from specdecode.verify import verify_rejection
 
@@ -86,6 +87,11 @@ def draft_rows(vocab: int = V, seed: int = 1) -> torch.Tensor:
 
 
 Verifier = Callable[..., list[int]]
+
+
+def chain_rejection(draft: list[int], q, logits, sampler, history, eog) -> list[int]:
+    """verify_rejection on a chain drafted from q, returning the emitted tokens."""
+    return verify_rejection(Draft(list(draft), q), logits, sampler, history, eog).emitted
 
 
 def run_trials(
@@ -157,7 +163,7 @@ def sampled_draft_trials():
     """N_TRIALS steps per parameter set with a sampled draft: shared by the fit and power tests."""
     logits, q = target_rows(), draft_rows()
     return {
-        name: run_trials(verify_rejection, logits, q, params, N_TRIALS) for name, params in PARAM_SETS.items()
+        name: run_trials(chain_rejection, logits, q, params, N_TRIALS) for name, params in PARAM_SETS.items()
     }
 
 
@@ -206,7 +212,7 @@ def test_first_token_matches_target_with_deterministic_draft():
     """draft_probs None: the proposer is a point mass (a greedy draft, for instance)."""
     logits = target_rows(seed=3)
     draft = [int(torch.argmin(logits[0])), int(torch.argmax(logits[1])), 2]
-    outs = run_trials(verify_rejection, logits, None, TEMP1, 6000, fixed_draft=draft)
+    outs = run_trials(chain_rejection, logits, None, TEMP1, 6000, fixed_draft=draft)
     assert chi_square_pvalue(position_counts(outs, 0), exact(logits[0], TEMP1)) > ALPHA
     assert chi_square_pvalue(position_counts(outs, 1), exact(logits[1], TEMP1)) > ALPHA
     # power: a verifier that keeps the point-mass draft fails the same test
@@ -221,7 +227,7 @@ def test_first_token_matches_target_with_wider_draft_vocab():
     q = draft_rows(vocab=V + 2, seed=5)
     q[:, V:] = 0.15
     q[:, :V] *= 0.7 / q[:, :V].sum(dim=1, keepdim=True)
-    outs = run_trials(verify_rejection, logits, q, TEMP1, 6000)
+    outs = run_trials(chain_rejection, logits, q, TEMP1, 6000)
     assert all(all(t < V for t in out) for out in outs)
     assert chi_square_pvalue(position_counts(outs, 0), exact(logits[0], TEMP1)) > ALPHA
 

@@ -8,6 +8,7 @@ import torch
 from conftest import CountingSampler
 
 from specdecode.sampling import Sampler, SamplingParams, distribution
+from specdecode.strategies import Draft
 from specdecode.verify import verify_match, verify_rejection
 
 V = 8
@@ -26,6 +27,16 @@ def spelled(tokens: list[int], vocab: int = V, runner_up: int | None = None) -> 
     return rows
 
 
+def match(draft: list[int], logits, sampler, history, eog) -> list[int]:
+    """verify_match on a chain, returning the emitted tokens."""
+    return verify_match(Draft(list(draft)), logits, sampler, history, eog).emitted
+
+
+def rejection(draft: list[int], probs, logits, sampler, history, eog) -> list[int]:
+    """verify_rejection on a chain, returning the emitted tokens."""
+    return verify_rejection(Draft(list(draft), probs), logits, sampler, history, eog).emitted
+
+
 def random_rows(n: int, vocab: int = V, seed: int = 0, scale: float = 1.5) -> torch.Tensor:
     return scale * torch.randn(n, vocab, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
 
@@ -40,7 +51,7 @@ def test_greedy_all_match_emits_k_plus_one_with_bonus(k):
         intended = [t if t != EOS else 2 for t in intended]
     logits = spelled(intended)
     sampler = CountingSampler(GREEDY)
-    out = verify_match(intended[:k], logits, sampler, [], frozenset({EOS}))
+    out = match(intended[:k], logits, sampler, [], frozenset({EOS}))
     assert out == intended
     assert sampler.n_uniform == 0  # greedy verification takes no draws
 
@@ -51,7 +62,7 @@ def test_greedy_mismatch_at_i_emits_i_plus_one_ending_with_target_argmax(i):
     logits = spelled(intended)
     draft = intended[:4]
     draft[i] = 2  # wrong at position i
-    out = verify_match(draft, logits, Sampler(GREEDY), [], NO_EOG)
+    out = match(draft, logits, Sampler(GREEDY), [], NO_EOG)
     assert out == [*intended[:i], intended[i]]
     assert len(out) == i + 1
 
@@ -59,36 +70,36 @@ def test_greedy_mismatch_at_i_emits_i_plus_one_ending_with_target_argmax(i):
 def test_greedy_eos_matched_before_the_end_stops_the_step():
     intended = [4, EOS, 6, 7]
     logits = spelled(intended)
-    out = verify_match([4, EOS, 6], logits, Sampler(GREEDY), [], frozenset({EOS}))
+    out = match([4, EOS, 6], logits, Sampler(GREEDY), [], frozenset({EOS}))
     assert out == [4, EOS]
     # without EOS in eog_ids the step runs on
-    assert verify_match([4, EOS, 6], logits, Sampler(GREEDY), [], NO_EOG) == intended
+    assert match([4, EOS, 6], logits, Sampler(GREEDY), [], NO_EOG) == intended
 
 
 def test_greedy_eos_as_last_draft_token_gets_no_bonus():
     logits = spelled([4, EOS, 6])
-    assert verify_match([4, EOS], logits, Sampler(GREEDY), [], frozenset({EOS})) == [4, EOS]
+    assert match([4, EOS], logits, Sampler(GREEDY), [], frozenset({EOS})) == [4, EOS]
 
 
 def test_greedy_eos_as_mismatch_ends_the_step_with_it():
     logits = spelled([4, EOS, 6, 7])
-    assert verify_match([4, 5, 6], logits, Sampler(GREEDY), [], frozenset({EOS})) == [4, EOS]
+    assert match([4, 5, 6], logits, Sampler(GREEDY), [], frozenset({EOS})) == [4, EOS]
 
 
 def test_any_eog_id_counts():
     logits = spelled([4, 6, 7, 3])
-    out = verify_match([4, 6, 7], logits, Sampler(GREEDY), [], frozenset({EOS, 6}))
+    out = match([4, 6, 7], logits, Sampler(GREEDY), [], frozenset({EOS, 6}))
     assert out == [4, 6]
 
 
 def test_empty_draft_emits_one_token():
     logits = spelled([5])
-    assert verify_match([], logits, Sampler(GREEDY), [], NO_EOG) == [5]
-    assert verify_rejection([], None, logits, Sampler(GREEDY), [], NO_EOG) == [5]
+    assert match([], logits, Sampler(GREEDY), [], NO_EOG) == [5]
+    assert rejection([], None, logits, Sampler(GREEDY), [], NO_EOG) == [5]
     p = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=3)
     rows = random_rows(1)
-    a = verify_match([], rows, Sampler(p), [], NO_EOG)
-    b = verify_rejection([], None, rows, Sampler(p), [], NO_EOG)
+    a = match([], rows, Sampler(p), [], NO_EOG)
+    b = rejection([], None, rows, Sampler(p), [], NO_EOG)
     assert len(a) == 1 and len(b) == 1
     assert a == [Sampler(p).sample(rows[0], [])]
     assert b == a  # the bonus token is a plain sample in both modes
@@ -96,7 +107,7 @@ def test_empty_draft_emits_one_token():
 
 def test_wrong_logits_shape_is_refused():
     with pytest.raises(AssertionError):
-        verify_match([1, 2], spelled([1, 2]), Sampler(GREEDY), [], NO_EOG)
+        match([1, 2], spelled([1, 2]), Sampler(GREEDY), [], NO_EOG)
 
 
 def test_verification_uses_history_plus_accepted_tokens_for_penalties():
@@ -105,13 +116,13 @@ def test_verification_uses_history_plus_accepted_tokens_for_penalties():
     rows = spelled([3, 3, 3], runner_up=5)  # 3 at 5.0, 5 at 4.0 in every row
     p = SamplingParams(temperature=0.0, presence_penalty=2.0)
     # row 0 picks 3; row 1 sees 3 in its context: 3 -> 3.0 < 4.0, so it picks 5
-    assert verify_match([3, 3], rows, Sampler(p), [], NO_EOG) == [3, 5]
+    assert match([3, 3], rows, Sampler(p), [], NO_EOG) == [3, 5]
     # draft [3, 5] is kept; the bonus row sees both (3 -> 3.0, 5 -> 2.0): it picks 3
-    assert verify_match([3, 5], rows, Sampler(p), [], NO_EOG) == [3, 5, 3]
+    assert match([3, 5], rows, Sampler(p), [], NO_EOG) == [3, 5, 3]
     # 3 already in the history: row 0 picks 5
-    assert verify_match([3], rows[:2], Sampler(p), [3], NO_EOG) == [5]
+    assert match([3], rows[:2], Sampler(p), [3], NO_EOG) == [5]
     pr = SamplingParams(temperature=1.0, top_k=1, top_p=1.0, min_p=0.0, presence_penalty=2.0, seed=1)
-    assert verify_rejection([3, 3], None, rows, Sampler(pr), [], NO_EOG) == [3, 5]
+    assert rejection([3, 3], None, rows, Sampler(pr), [], NO_EOG) == [3, 5]
 
 
 # --------------------------------------------------------------------------- seeded match
@@ -140,9 +151,9 @@ def plain_sampling(
 def test_verify_match_seeded_is_deterministic():
     rows = random_rows(5, seed=1)
     draft = [1, 2, 3, 4]
-    first = verify_match(draft, rows, Sampler(SAMPLED), [], NO_EOG)
+    first = match(draft, rows, Sampler(SAMPLED), [], NO_EOG)
     for _ in range(3):
-        assert verify_match(draft, rows, Sampler(SAMPLED), [], NO_EOG) == first
+        assert match(draft, rows, Sampler(SAMPLED), [], NO_EOG) == first
 
 
 @pytest.mark.parametrize("seed", range(25))
@@ -155,7 +166,7 @@ def test_verify_match_equals_plain_sampling_and_consumes_the_same_draws(seed):
     for draft in (plain[:4], [*plain[:2], (plain[2] + 1) % V, plain[3]], [(plain[0] + 1) % V] * 4):
         expected, next_draw = plain_sampling(rows[: len(draft) + 1], draft, p, history)
         sampler = CountingSampler(p)
-        out = verify_match(draft, rows, sampler, history, NO_EOG)
+        out = match(draft, rows, sampler, history, NO_EOG)
         assert out == expected
         assert sampler.n_uniform == len(out), "one draw per emitted token"
         assert sampler.uniform() == next_draw, "the generator must be where plain sampling leaves it"
@@ -165,7 +176,7 @@ def test_verify_match_all_accepted_draft_from_plain_sampling():
     rows = random_rows(4, seed=9)
     plain, next_draw = plain_sampling(rows, [], SAMPLED)
     sampler = Sampler(SAMPLED)
-    assert verify_match(plain[:3], rows, sampler, [], NO_EOG) == plain
+    assert match(plain[:3], rows, sampler, [], NO_EOG) == plain
     assert sampler.uniform() == next_draw
 
 
@@ -180,10 +191,8 @@ def test_verify_rejection_seeded_is_deterministic():
     q = torch.softmax(random_rows(3, seed=3), dim=1)
     p = SamplingParams(**TEMP1, seed=17)
     for probs in (None, q):
-        first = verify_rejection([1, 2, 3], probs, rows, Sampler(p), [], NO_EOG)
-        assert all(
-            verify_rejection([1, 2, 3], probs, rows, Sampler(p), [], NO_EOG) == first for _ in range(3)
-        )
+        first = rejection([1, 2, 3], probs, rows, Sampler(p), [], NO_EOG)
+        assert all(rejection([1, 2, 3], probs, rows, Sampler(p), [], NO_EOG) == first for _ in range(3))
 
 
 @pytest.mark.parametrize("seed", range(10))
@@ -194,9 +203,8 @@ def test_rejection_with_greedy_params_equals_match(seed):
     p = SamplingParams(temperature=0.0, seed=seed)
     for draft in (argmaxes[:4], [*argmaxes[:2], (argmaxes[2] + 1) % V, 0], [(argmaxes[0] + 3) % V] * 4):
         for probs in (None, q):
-            match = verify_match(draft, rows, Sampler(p), [], frozenset({EOS}))
-            rejection = verify_rejection(draft, probs, rows, Sampler(p), [], frozenset({EOS}))
-            assert rejection == match
+            matched = match(draft, rows, Sampler(p), [], frozenset({EOS}))
+            assert rejection(draft, probs, rows, Sampler(p), [], frozenset({EOS})) == matched
 
 
 def test_rejection_point_mass_draft_with_one_hot_target_is_always_accepted():
@@ -205,11 +213,11 @@ def test_rejection_point_mass_draft_with_one_hot_target_is_always_accepted():
     rows = spelled(intended)
     for seed in range(30):
         sampler = Sampler(SamplingParams(temperature=1.0, top_k=1, seed=seed))
-        assert verify_rejection(intended[:3], None, rows, sampler, [], NO_EOG) == intended
+        assert rejection(intended[:3], None, rows, sampler, [], NO_EOG) == intended
     # and a draft token with p = 0 is always rejected in favour of the target's token
     for seed in range(30):
         sampler = Sampler(SamplingParams(temperature=1.0, top_k=1, seed=seed))
-        assert verify_rejection([3, 2, 5], None, rows, sampler, [], NO_EOG) == [3, 4]
+        assert rejection([3, 2, 5], None, rows, sampler, [], NO_EOG) == [3, 4]
 
 
 def test_rejection_with_draft_probs_equal_to_target_accepts_everything():
@@ -220,7 +228,7 @@ def test_rejection_with_draft_probs_equal_to_target_accepts_everything():
         sp = SamplingParams(**TEMP1, seed=seed)
         draft_sampler = Sampler(SamplingParams(**TEMP1, seed=10_000 + seed))
         draft = [draft_sampler.draw(q[i]) for i in range(3)]
-        out = verify_rejection(draft, q, rows, Sampler(sp), [], NO_EOG)
+        out = rejection(draft, q, rows, Sampler(sp), [], NO_EOG)
         assert out[:3] == draft and len(out) == 4  # q == p: min(1, p/q) = 1
 
 
@@ -237,7 +245,7 @@ def test_rejection_of_a_point_mass_draft_never_recovers_the_rejected_token():
     for probs in (q, None):
         outcomes = []
         for seed in range(300):
-            out = verify_rejection([d], probs, rows, Sampler(SamplingParams(**TEMP1, seed=seed)), [], NO_EOG)
+            out = rejection([d], probs, rows, Sampler(SamplingParams(**TEMP1, seed=seed)), [], NO_EOG)
             outcomes.append(out)
             assert len(out) in (1, 2)
             if len(out) == 1:
@@ -251,9 +259,9 @@ def test_rejection_eos_accepted_stops_the_step():
     rows = spelled([EOS, 5, 6])
     for seed in range(10):
         sampler = Sampler(SamplingParams(temperature=1.0, top_k=1, seed=seed))
-        assert verify_rejection([EOS, 5], None, rows, sampler, [], frozenset({EOS})) == [EOS]
+        assert rejection([EOS, 5], None, rows, sampler, [], frozenset({EOS})) == [EOS]
         sampler = Sampler(SamplingParams(temperature=1.0, top_k=1, seed=seed))
-        assert verify_rejection([EOS, 5], None, rows, sampler, [], NO_EOG) == [EOS, 5, 6]
+        assert rejection([EOS, 5], None, rows, sampler, [], NO_EOG) == [EOS, 5, 6]
 
 
 @pytest.mark.parametrize("bad", [V, V + 1, V + 5])
@@ -265,13 +273,13 @@ def test_draft_token_outside_target_vocab_is_never_accepted(bad):
     for seed in range(200):
         sp = SamplingParams(**TEMP1, seed=seed)
         for probs in (None, wide):
-            out = verify_rejection([bad, 0], probs, rows, Sampler(sp), [], NO_EOG)
+            out = rejection([bad, 0], probs, rows, Sampler(sp), [], NO_EOG)
             assert len(out) == 1
             assert 0 <= out[0] < V
-        out = verify_match([bad, 0], rows, Sampler(sp), [], NO_EOG)
+        out = match([bad, 0], rows, Sampler(sp), [], NO_EOG)
         assert len(out) == 1 and out[0] < V
     # greedy: also never accepted
-    assert len(verify_rejection([bad], None, rows[:2], Sampler(GREEDY), [], NO_EOG)) == 1
+    assert len(rejection([bad], None, rows[:2], Sampler(GREEDY), [], NO_EOG)) == 1
 
 
 def test_draft_probs_narrower_than_target_vocab():
@@ -282,7 +290,7 @@ def test_draft_probs_narrower_than_target_vocab():
     seen_first = set()
     for seed in range(300):
         sp = SamplingParams(**TEMP1, seed=seed)
-        out = verify_rejection([0, 1], narrow, rows, Sampler(sp), [], NO_EOG)
+        out = rejection([0, 1], narrow, rows, Sampler(sp), [], NO_EOG)
         assert 1 <= len(out) <= 3 and all(0 <= t < V for t in out)
         seen_first.add(out[0])
     assert seen_first & {V - 3, V - 2, V - 1}, "ids past the draft's vocabulary must still be emitted"
@@ -295,7 +303,7 @@ def test_rejection_uses_only_the_samplers_generator():
     q = torch.softmax(random_rows(3, seed=11), dim=1)
     torch_state, numpy_state = torch.get_rng_state(), np.random.get_state()
     outs = {
-        tuple(verify_rejection([1, 2, 3], q, rows, Sampler(SamplingParams(**TEMP1, seed=s)), [], NO_EOG))
+        tuple(rejection([1, 2, 3], q, rows, Sampler(SamplingParams(**TEMP1, seed=s)), [], NO_EOG))
         for s in range(50)
     }
     assert len(outs) > 5

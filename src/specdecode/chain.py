@@ -37,29 +37,31 @@ class Chain:
         for strategy in self.strategies:
             strategy.end()
 
-    def draft(self, history: Sequence[int], last: int, n_max: int) -> Draft:
-        """The first non-empty draft of at least n_min tokens, cut to n_max; empty if none."""
+    def draft(self, history: Sequence[int], last: int, n_max: int, n_nodes: int | None = None) -> Draft:
+        """The first non-empty draft at least n_min deep, cut to n_max tokens deep and (trees)
+        n_nodes nodes; empty if none."""
         self._last = None
         for index, (strategy, stats) in enumerate(zip(self.strategies, self.stats, strict=True)):
             start = time.perf_counter()
             draft = strategy.draft(history, last, n_max)
             stats.t_draft += time.perf_counter() - start
             stats.n_call_draft += 1
-            if draft.tokens and len(draft.tokens) >= strategy.n_min:
-                draft = replace(draft.truncated(n_max), strategy=strategy.name)
+            if draft.tokens and draft.depth >= strategy.n_min:
+                draft = replace(draft.truncated(n_max, n_nodes), strategy=strategy.name)
                 stats.n_gen_drafts += 1
                 stats.n_gen_tokens += len(draft.tokens)
                 self._last = index
                 return draft
         return Draft()
 
-    def accept(self, k: int, n_accepted: int) -> None:
-        """Report the verification of the last draft: k tokens, n_accepted kept (no-op without one)."""
+    def accept(self, draft: Draft, n_accepted: int) -> None:
+        """Report the verification of the last draft: n_accepted tokens kept, down one path
+        (no-op without a draft)."""
         if self._last is None:
             return
         strategy, stats = self.strategies[self._last], self.stats[self._last]
         self._last = None
-        stats.counts.record(k, n_accepted)
+        stats.counts.record(len(draft.tokens), draft.depth, n_accepted)
         if n_accepted == 0:
             return  # classic API: accept(0) reaches no strategy
         start = time.perf_counter()

@@ -5,8 +5,10 @@ a strategy. Plain generation is the same loop with an empty chain: every step th
 one token, so plain and speculative generation share every line that decides a token.
 
 State per step: `history` = ids in the target's cache, `last` = the newest token, not yet
-in it. A step evaluates [last, d0, ..., d(k-1)] at positions len(history)... and keeps
-positions < len(history) + 1 + n_accepted.
+in it. A step scores `last` and the draft's nodes in one pass: a chain as the rows
+[last, d0, ..., d(k-1)] at positions len(history)..., then keeps positions
+< len(history) + 1 + n_accepted; a tree as a tree pass rooted at `last`, then commits the
+accepted path. Verification walks either from the root, so the loop treats both alike.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from specdecode.sampling import Sampler
 from specdecode.stats import GenerationStats
 from specdecode.strategies import Draft
 from specdecode.text import TextAssembler
-from specdecode.verify import VERIFY_MODES, verify_match, verify_rejection
+from specdecode.verify import VERIFY_MODES, Verdict, verify_match, verify_rejection
 
 
 @dataclass(frozen=True)
@@ -98,32 +100,46 @@ class Generation:
         if len(history) + 1 > self.target.n_ctx:
             self.stats.stop_reason = "context"
             return Chunk([], self._text.finish())
-        budget = min(self.target.n_ctx - len(history) - 1, self._remaining() - 1)
+        room = self.target.n_ctx - len(history) - 1  # cache entries for draft nodes
+        depth = min(room, self._remaining() - 1)  # tokens a step may still accept
         t0 = time.perf_counter()
-        draft = self.chain.draft(history, last, budget) if self.chain and budget > 0 else Draft()
+        draft = self.chain.draft(history, last, depth, room) if self.chain and depth > 0 else Draft()
         t1 = time.perf_counter()
         self.target.truncate(len(history))
-        logits = self.target.evaluate([last, *draft.tokens])  # [k+1, V]
-        emitted = self._verify(draft, logits, [*history, last])
+        logits = self._score(last, draft)  # [N+1, V]
+        verdict = self._verify(draft, logits, [*history, last])
+        self._keep(history, last, draft, verdict.path)
         self.stats.t_draft += t1 - t0
         self.stats.t_verify += time.perf_counter() - t1
-        n_accepted = _leading_matches(emitted, draft.tokens)
-        history.append(last)
-        history.extend(draft.tokens[:n_accepted])
-        self.target.truncate(len(history))
+        n_accepted = len(verdict.path)
         self.stats.n_passes += 1
-        self.stats.n_step_tokens += len(emitted)
+        self.stats.n_step_tokens += len(verdict.emitted)
         if draft.tokens:
-            self.chain.accept(len(draft.tokens), n_accepted)
-            self.stats.totals.record(len(draft.tokens), n_accepted)
-        return self._emit(emitted, draft, n_accepted)
+            self.chain.accept(draft, n_accepted)
+            self.stats.totals.record(len(draft.tokens), draft.depth, n_accepted)
+        return self._emit(verdict.emitted, draft, n_accepted)
 
-    def _verify(self, draft: Draft, logits, context: Sequence[int]) -> list[int]:
+    def _score(self, last: int, draft: Draft):
+        """One target pass over `last` and the draft's nodes: logits [N+1, V]."""
+        if draft.is_chain:
+            return self.target.evaluate([last, *draft.tokens])
+        return self.target.evaluate_tree([last, *draft.tokens], [-1, *(p + 1 for p in draft.parent_list())])
+
+    def _keep(self, history: list[int], last: int, draft: Draft, path: list[int]) -> None:
+        """Make `history` and the target's cache hold last and the accepted nodes."""
+        if draft.is_chain:
+            self.target.truncate(len(history) + 1 + len(path))
+        else:
+            self.target.commit([0, *(node + 1 for node in path)])
+        history.append(last)
+        history.extend(draft.tokens[node] for node in path)
+
+    def _verify(self, draft: Draft, logits, context: Sequence[int]) -> Verdict:
         """context: every token before the first verified position (history + [last])."""
         eog = frozenset() if self.config.ignore_eos else self.target.vocab.eog_ids
         if self.config.verify == "rejection":
-            return verify_rejection(draft.tokens, draft.probs, logits, self.sampler, context, eog)
-        return verify_match(draft.tokens, logits, self.sampler, context, eog)
+            return verify_rejection(draft, logits, self.sampler, context, eog)
+        return verify_match(draft, logits, self.sampler, context, eog)
 
     def _emit(self, emitted: list[int], draft: Draft, n_accepted: int) -> Chunk:
         """Append tokens one by one, stopping exactly where plain generation would."""
@@ -166,10 +182,3 @@ def check_room(prompt: Sequence[int], n_predict: int, n_ctx: int) -> None:
             f"prompt ({len(prompt)} tokens) + n_predict ({n_predict}) exceeds the context size ({n_ctx}); "
             "lower -n or raise -c"
         )
-
-
-def _leading_matches(emitted: Sequence[int], draft: Sequence[int]) -> int:
-    n = 0
-    while n < min(len(emitted), len(draft)) and emitted[n] == draft[n]:
-        n += 1
-    return n

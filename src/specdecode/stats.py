@@ -11,36 +11,63 @@ from dataclasses import asdict, dataclass, field
 
 @dataclass
 class DraftCounts:
-    """Drafted and accepted tokens, overall and by draft position."""
+    """Drafted and accepted tokens, overall and by draft position (depth, for trees).
+
+    A chain of k tokens is a tree of k nodes and depth k; a tree drafts more nodes than its
+    depth and can keep at most one path of them.
+    """
 
     n_drafts: int = 0  # verified drafts
     n_drafts_accepted: int = 0  # drafts with at least one token kept
-    n_drafted: int = 0
+    n_tree_drafts: int = 0  # drafts with more than one branch
+    n_drafted: int = 0  # draft tokens (tree nodes) verified
     n_accepted: int = 0
-    drafted_per_pos: list[int] = field(default_factory=list)  # drafts reaching position i
-    accepted_per_pos: list[int] = field(default_factory=list)  # drafts whose token i was kept
+    n_depth: int = 0  # sum of the drafts' depths
+    drafted_per_pos: list[int] = field(default_factory=list)  # drafts reaching depth i + 1
+    accepted_per_pos: list[int] = field(default_factory=list)  # drafts whose token at depth i + 1 was kept
 
-    def record(self, k: int, n_accepted: int) -> None:
+    def record(self, n_nodes: int, depth: int, n_accepted: int) -> None:
         self.n_drafts += 1
         self.n_drafts_accepted += n_accepted > 0
-        self.n_drafted += k
+        self.n_tree_drafts += n_nodes > depth
+        self.n_drafted += n_nodes
         self.n_accepted += n_accepted
-        for per_pos, upto in ((self.drafted_per_pos, k), (self.accepted_per_pos, n_accepted)):
+        self.n_depth += depth
+        for per_pos, upto in ((self.drafted_per_pos, depth), (self.accepted_per_pos, n_accepted)):
             per_pos.extend([0] * (upto - len(per_pos)))
             for i in range(upto):
                 per_pos[i] += 1
 
     @property
     def acceptance_rate(self) -> float:
-        """Accepted draft tokens / drafted tokens."""
+        """Accepted draft tokens / drafted tokens (tree nodes count each)."""
         return self.n_accepted / self.n_drafted if self.n_drafted else 0.0
 
     @property
     def acceptance_by_position(self) -> list[float]:
-        """P(token i kept | the draft reached position i)."""
+        """P(token at depth i + 1 kept | the draft reached depth i + 1)."""
         return [
             a / d if d else 0.0 for a, d in zip(self.accepted_per_pos, self.drafted_per_pos, strict=False)
         ]
+
+    @property
+    def mean_tree_size(self) -> float:
+        """Draft tokens verified per draft (a chain's length, a tree's node count)."""
+        return self.n_drafted / self.n_drafts if self.n_drafts else 0.0
+
+    @property
+    def mean_depth(self) -> float:
+        return self.n_depth / self.n_drafts if self.n_drafts else 0.0
+
+    @property
+    def mean_accepted_depth(self) -> float:
+        """Draft tokens kept per draft: how far down the tree verification got."""
+        return self.n_accepted / self.n_drafts if self.n_drafts else 0.0
+
+    @property
+    def nodes_per_accepted_token(self) -> float:
+        """Draft tokens verified for each one kept: what a tree pays for its branches."""
+        return self.n_drafted / self.n_accepted if self.n_accepted else 0.0
 
 
 @dataclass
@@ -96,6 +123,10 @@ class GenerationStats:
         out.update(
             acceptance_rate=self.totals.acceptance_rate,
             acceptance_by_position=self.totals.acceptance_by_position,
+            mean_tree_size=self.totals.mean_tree_size,
+            mean_depth=self.totals.mean_depth,
+            mean_accepted_depth=self.totals.mean_accepted_depth,
+            nodes_per_accepted_token=self.totals.nodes_per_accepted_token,
             tokens_per_pass=self.tokens_per_pass,
             prompt_tokens_per_second=self.prompt_tokens_per_second,
             tokens_per_second=self.tokens_per_second,
@@ -119,9 +150,17 @@ class GenerationStats:
             f"time split  draft {100 * self.t_draft / gen:.1f}%  verify {100 * self.t_verify / gen:.1f}%  "
             f"other {100 * self.t_other / gen:.1f}%",
         ]
+        if t.n_tree_drafts:
+            lines.append(
+                f"trees       {t.n_tree_drafts:6d} of {t.n_drafts} drafts branched; "
+                f"{t.mean_tree_size:.2f} nodes and depth {t.mean_depth:.2f} per draft, "
+                f"{t.mean_accepted_depth:.2f} accepted, "
+                f"{t.nodes_per_accepted_token:.2f} nodes per accepted token"
+            )
         if t.drafted_per_pos:
+            label = "depth" if t.n_tree_drafts else "position"
             rates = ", ".join(f"{r:.2f}" for r in t.acceptance_by_position[:16])
-            lines.append(f"acceptance by position  ({rates})")
+            lines.append(f"acceptance by {label}  ({rates})")
         lines.extend(_strategy_line(s) for s in self.strategies)
         return "\n".join(lines)
 

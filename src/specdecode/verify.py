@@ -8,92 +8,137 @@ Terms used throughout specdecode:
   token sampled after the last position when every draft token was kept.
 - Every step emits `n_accepted + 1` tokens (fewer only when an end-of-generation token stops it).
 
-Both functions are pure: they read logits rows [k+1, V] that the target computed for
-`[last, d0, ..., d(k-1)]` in one forward pass and return the emitted tokens. They touch no
-model, cache or strategy.
+A draft is a chain or a token tree (`Draft.parents`); a chain is the tree with one branch and
+both functions treat it so. They read logits rows [N+1, V] that the target computed in one
+pass for `last` (row 0) and the draft's nodes (row i + 1 for node i), walk down from the
+root, and return the emitted tokens with the accepted path. They touch no model, cache or
+strategy.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from specdecode.sampling import Sampler, distribution
+from specdecode.strategies.base import Draft
 
 VERIFY_MODES = ("match", "rejection")
 
 
+@dataclass(frozen=True)
+class Verdict:
+    """What a verification keeps: the emitted tokens and the draft nodes accepted, root first
+    (`emitted[:len(path)]` are those nodes' tokens)."""
+
+    emitted: list[int]
+    path: list[int]
+
+
+def children_of(draft: Draft) -> dict[int, list[int]]:
+    """Node -> its children in draft order; -1 is the root (`last`)."""
+    children: dict[int, list[int]] = {-1: []}
+    for node, parent in enumerate(draft.parent_list()):
+        children.setdefault(node, [])
+        children[parent].append(node)
+    return children
+
+
 def verify_match(
-    draft: Sequence[int],
+    draft: Draft,
     logits: torch.Tensor,
     sampler: Sampler,
     history: Sequence[int],
     eog_ids: frozenset[int],
-) -> list[int]:
-    """Sample and match (llama.cpp's `common_sampler_sample_and_accept_n`).
+) -> Verdict:
+    """Sample and match (llama.cpp's `common_sampler_sample_and_accept_n`), down a tree.
 
-    At each position the target samples with the full sampler; the draft token is kept only
-    if it equals that sample. The first mismatch emits the sample; if all k match, a bonus
-    token is sampled from the last row. One draw per emitted token, exactly as plain
+    At each node the target samples with the full sampler; the walk descends into the child
+    holding that sample, if any. The first sample no child holds is emitted and ends the step;
+    at a leaf that sample is the bonus token. One draw per emitted token, exactly as plain
     generation, so the output equals plain generation for the same seed at any temperature.
-    An end-of-generation token matched before the end of the draft ends the step.
+    An end-of-generation token matched inside the draft ends the step.
 
-    logits: [k+1, V]. Returns the emitted tokens (length n_accepted + 1).
+    logits: [N+1, V]. Returns the emitted tokens (length n_accepted + 1) and the path.
     """
-    assert logits.ndim == 2 and logits.shape[0] == len(draft) + 1, "logits must be [k+1, V]"
+    assert logits.ndim == 2 and logits.shape[0] == len(draft.tokens) + 1, "logits must be [N+1, V]"
+    children = children_of(draft)
     emitted: list[int] = []
+    path: list[int] = []
     context = list(history)
-    for i, proposed in enumerate(draft):
-        token = sampler.sample(logits[i], context)
+    node = -1
+    while True:
+        token = sampler.sample(logits[node + 1], context)
         emitted.append(token)
-        if token != proposed or token in eog_ids:
-            return emitted
+        child = next((c for c in children[node] if draft.tokens[c] == token), None)
+        if child is None:
+            return Verdict(emitted, path)
+        path.append(child)
+        if token in eog_ids:
+            return Verdict(emitted, path)
         context.append(token)
-    emitted.append(sampler.sample(logits[len(draft)], context))
-    return emitted
+        node = child
 
 
 def verify_rejection(
-    draft: Sequence[int],
-    draft_probs: torch.Tensor | None,
+    draft: Draft,
     logits: torch.Tensor,
     sampler: Sampler,
     history: Sequence[int],
     eog_ids: frozenset[int],
-) -> list[int]:
-    """Speculative sampling (Leviathan et al. 2023, Algorithm 1; p = target, q = draft).
+) -> Verdict:
+    """Speculative sampling down a tree (Leviathan et al. 2023 for a chain; SpecInfer's
+    recursive rejection over siblings, Miao et al. 2024, for a tree; p = target, q = draft).
 
-    Keep d_i with probability min(1, p(d_i) / q(d_i)); at the first rejection emit a
-    recovered token drawn from norm(max(0, p - q)); after k acceptances emit a bonus token
-    drawn from p. The emitted tokens are distributed exactly as samples from p.
-    `draft_probs` None means a deterministic proposer: q is a point mass on each d_i.
-    Greedy settings reduce to `verify_match` (p is one-hot).
+    At a node, try its children in order: keep child x with probability min(1, p(x) / q_x(x)),
+    where q_x is the distribution x was drawn from; on rejection p <- norm(max(0, p - q_x)) and
+    the next child is tried. When every child is rejected, the recovered token is drawn from
+    the last p; at a leaf, the bonus token from the target. Each rejection removes from p
+    exactly the mass the rejected proposal could have claimed, so the emitted tokens are
+    distributed exactly as samples from the target, whatever the tree's shape, as long as
+    each q_x is the distribution x was truly drawn from (`Draft.probs`; None means point
+    masses: a deterministic proposer). Greedy settings reduce to `verify_match`.
 
-    draft_probs: [k, V'] or None; logits: [k+1, V]. Returns the emitted tokens.
+    logits: [N+1, V]. Returns the emitted tokens and the accepted path.
     """
     if sampler.params.greedy:
         return verify_match(draft, logits, sampler, history, eog_ids)
-    assert logits.ndim == 2 and logits.shape[0] == len(draft) + 1, "logits must be [k+1, V]"
+    assert logits.ndim == 2 and logits.shape[0] == len(draft.tokens) + 1, "logits must be [N+1, V]"
     vocab = logits.shape[1]
+    children = children_of(draft)
     emitted: list[int] = []
+    path: list[int] = []
     context = list(history)
-    for i, proposed in enumerate(draft):
-        p = distribution(logits[i], sampler.params, context)  # [V]
-        q = _draft_row(draft_probs, i, proposed, vocab)  # [V]
-        p_x = float(p[proposed]) if proposed < vocab else 0.0
-        q_x = float(q[proposed]) if proposed < vocab else 1.0
-        if sampler.uniform() * q_x < p_x:
-            emitted.append(proposed)
-            if proposed in eog_ids:
-                return emitted
-            context.append(proposed)
-            continue
-        residual = torch.clamp(p - q, min=0.0)
-        emitted.append(sampler.draw(residual if float(residual.sum()) > 0.0 else p))
-        return emitted
-    emitted.append(sampler.sample(logits[len(draft)], context))
-    return emitted
+    node = -1
+    while children[node]:
+        p = distribution(logits[node + 1], sampler.params, context)  # [V]
+        kept = None
+        for child in children[node]:
+            proposed = draft.tokens[child]
+            q = _draft_row(draft.probs, child, proposed, vocab)  # [V]
+            p_x = float(p[proposed]) if proposed < vocab else 0.0
+            q_x = float(q[proposed]) if proposed < vocab else 1.0
+            if sampler.uniform() * q_x < p_x:
+                kept = child
+                break
+            residual = torch.clamp(p - q, min=0.0)
+            mass = float(residual.sum())
+            if mass <= 0.0:
+                break  # p within q everywhere: nothing left to recover but p itself
+            p = residual / mass
+        if kept is None:
+            emitted.append(sampler.draw(p))
+            return Verdict(emitted, path)
+        emitted.append(draft.tokens[kept])
+        path.append(kept)
+        if draft.tokens[kept] in eog_ids:
+            return Verdict(emitted, path)
+        context.append(draft.tokens[kept])
+        node = kept
+    emitted.append(sampler.sample(logits[node + 1], context))
+    return Verdict(emitted, path)
 
 
 def _draft_row(draft_probs: torch.Tensor | None, i: int, proposed: int, vocab: int) -> torch.Tensor:

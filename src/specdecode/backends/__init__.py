@@ -5,6 +5,11 @@ evaluated so far, in order); `evaluate` appends new tokens after them and return
 every new row, so a verify step scores [last, d0, ..., d(k-1)] in one forward pass.
 Rolling back is `truncate(n)`: a length change, never a re-evaluation.
 
+A pass may also score a token tree (`evaluate_tree`): each row is a node that sees the cached
+prefix and its own ancestors, at position prefix + depth - 1 (see `specdecode.backends.tree`).
+The nodes stay pending after the prefix, possibly over several passes, until `commit(path)`
+keeps one root-to-node path as the next cached positions, without evaluating it again.
+
 Some strategies (EAGLE-3) also read the target's hidden states. That is an optional
 capability (`HiddenStates`): a backend that has it records the chosen layers' features for
 every cached position once asked (`capture_hidden`), and costs nothing until then; a
@@ -60,7 +65,19 @@ class Backend(Protocol):
         ...
 
     def truncate(self, n: int) -> None:
-        """Keep the first n cached positions and forget the rest."""
+        """Keep the first n cached positions and forget the rest (pending tree nodes too)."""
+        ...
+
+    def evaluate_tree(self, ids: Sequence[int], parents: Sequence[int]) -> torch.Tensor:
+        """Score tree nodes after the cached tokens and return their logits [N, V]. parents[i]
+        is -1 (the node follows the cached tokens) or the index of an earlier pending node,
+        counting every node scored since the last commit. A node's row gets what a linear pass
+        over its path would give it (bit for bit where the backend is row-invariant)."""
+        ...
+
+    def commit(self, path: Sequence[int]) -> None:
+        """Append the pending nodes of `path` (a root-to-node path, [] for none) to the cached
+        tokens, and forget every other pending node."""
         ...
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import inspect
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from transformers import (
 
 from specdecode.backends import VocabInfo
 from specdecode.backends.hidden import HiddenRecorder, HiddenRows, recording
+from specdecode.backends.tree import PendingTree, check_tree_room
 from specdecode.errors import SpecdecodeError
 
 DTYPES = {
@@ -76,6 +78,9 @@ class HFBackend:
         self._tokens: list[int] = []
         self._cache = DynamicCache(config=model.config)
         self._recorder: HiddenRows | None = None  # set by capture_hidden
+        self._tree = PendingTree()  # nodes scored by evaluate_tree, not yet committed
+        self._tree_rows: HiddenRows | None = None  # their hidden-state rows, when recording
+        self._tree_support: str | None = None  # why this model cannot score trees ("" if it can)
         self.n_layers = int(model.config.num_hidden_layers)
         self.hidden_size = int(model.config.hidden_size)
 
@@ -138,6 +143,7 @@ class HFBackend:
             )
         self.truncate(0)  # cached positions have no rows for the new choice
         self._recorder = self._new_recorder(layer_ids) if layer_ids else None
+        self._tree_rows = self._new_recorder(layer_ids) if layer_ids else None
 
     def _new_recorder(self, layer_ids: Sequence[int]) -> HiddenRows:
         return HiddenRecorder(self.model, layer_ids, self.hidden_size)
@@ -176,6 +182,7 @@ class HFBackend:
             raise SpecdecodeError(
                 f"{self.name}: context full ({len(self._tokens)} + {total} tokens > n_ctx {self.n_ctx})"
             )
+        self._drop_tree()
         wanted = total if logits_rows is None else min(logits_rows, total)
         first_wanted = total - wanted
         rows: list[torch.Tensor] = []
@@ -193,15 +200,101 @@ class HFBackend:
 
     def truncate(self, n: int) -> None:
         n = max(0, n)
+        self._drop_tree()
         if n >= len(self._tokens):
             return
-        if n == 0:
-            self._cache = DynamicCache(config=self.model.config)
-        else:
-            self._cache.crop(n - len(self._tokens))
+        self._crop_cache(n)
         del self._tokens[n:]
         if self._recorder is not None:
             self._recorder.truncate(n)
+
+    @torch.inference_mode()
+    def evaluate_tree(self, ids: Sequence[int], parents: Sequence[int]) -> torch.Tensor:
+        """See `specdecode.backends.Backend.evaluate_tree`: one forward with a 4D attention mask
+        (each node sees the prefix and its ancestors) and positions prefix + depth - 1; the nodes'
+        entries are appended to the cache in node order until `commit`."""
+        self._check_tree_support()
+        prefix = len(self._tokens)
+        check_tree_room(self.name, prefix, len(self._tree), len(ids), self.n_ctx)
+        nodes = self._tree.add(ids, parents)
+        self._use_threads()
+        depths = [self._tree.depths[node] for node in nodes]
+        positions = torch.tensor([[prefix + depth - 1 for depth in depths]], device=self.device)
+        visible = self._tree.visibility(nodes, prefix, self.device)
+        dtype = next(self.model.parameters()).dtype
+        mask = torch.zeros(visible.shape, dtype=dtype, device=self.device)
+        mask = mask.masked_fill(~visible, torch.finfo(dtype).min)[None, None]  # [1, 1, N, prefix + P]
+        input_ids = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
+        with recording(self._tree_rows):  # type: ignore[arg-type]
+            out = self.model(
+                input_ids=input_ids,
+                position_ids=positions,
+                attention_mask=mask,
+                past_key_values=self._cache,
+                use_cache=True,
+            )
+        self._cache = out.past_key_values
+        logits = out.logits[0]
+        return logits if logits.dtype == torch.float64 else logits.float().cpu()
+
+    @torch.inference_mode()
+    def commit(self, path: Sequence[int]) -> None:
+        """See `specdecode.backends.Backend.commit`: the path's cache entries move up to follow
+        the prefix, in order, and everything after them is cropped."""
+        path = self._tree.check_path(path)
+        prefix = len(self._tokens)
+        if path:
+            source = torch.tensor([prefix + node for node in path], device=self.device)
+            for layer in self._cache.layers:
+                layer.keys[:, :, prefix : prefix + len(path)] = layer.keys[:, :, source]
+                layer.values[:, :, prefix : prefix + len(path)] = layer.values[:, :, source]
+        self._keep_path(path)
+        self._crop_cache(len(self._tokens))
+
+    def _keep_path(self, path: list[int]) -> None:
+        """The committed path's tokens and hidden rows join the prefix; the tree is forgotten."""
+        if path and self._recorder is not None and self._tree_rows is not None:
+            self._recorder.extend(self._tree_rows.rows(0, len(self._tree_rows))[path])
+        self._tokens.extend(self._tree.tokens[node] for node in path)
+        self._tree.clear()
+        if self._tree_rows is not None:
+            self._tree_rows.truncate(0)
+
+    def _drop_tree(self) -> None:
+        """Forget the pending nodes (a new prefix is coming)."""
+        if len(self._tree):
+            self._keep_path([])
+            self._crop_cache(len(self._tokens))
+
+    def _crop_cache(self, n: int) -> None:
+        if n == 0:
+            self._cache = DynamicCache(config=self.model.config)
+        elif self._cache.get_seq_length() > n:
+            self._cache.crop(n - self._cache.get_seq_length())
+
+    def _check_tree_support(self) -> None:
+        """Trees need a model whose attention takes a custom 4D mask and explicit positions, as
+        transformers' decoders built on `create_causal_mask` do with eager or SDPA attention."""
+        if self._tree_support is None:
+            implementation = getattr(self.model.config, "_attn_implementation", None)
+            decoder = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model
+            try:
+                source = inspect.getsource(type(decoder).forward)
+            except (OSError, TypeError):
+                source = ""
+            if implementation not in ("eager", "sdpa"):
+                self._tree_support = f"its attention implementation is {implementation!r}"
+            elif "create_causal_mask(" not in source:
+                self._tree_support = f"{type(decoder).__name__} does not take a custom 4D attention mask"
+            elif _uses_sliding_window(self.model.config):
+                self._tree_support = "it uses sliding-window attention, which a custom mask would override"
+            else:
+                self._tree_support = ""
+        if self._tree_support:
+            raise SpecdecodeError(
+                f"{self.name}: token trees need the native backend here ({self._tree_support}); "
+                "use a chain (the default) or --backend native"
+            )
 
     def _forward(self, chunk: Sequence[int], keep: int) -> torch.Tensor:
         input_ids = torch.tensor([list(chunk)], dtype=torch.long, device=self.device)  # [1, T]
@@ -284,6 +377,12 @@ def _resolve_dtype(name: str, config, device: torch.device, half_on_cpu: bool) -
     if stored == torch.bfloat16 and half_on_cpu and torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return torch.bfloat16
     return torch.float32
+
+
+def _uses_sliding_window(config) -> bool:
+    if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
+        return True
+    return bool(getattr(config, "sliding_window", None)) and getattr(config, "use_sliding_window", True)
 
 
 def _vocab_info(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> VocabInfo:

@@ -22,7 +22,7 @@ in the last bits, far below the logit gaps decoding turns on, and the passes run
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +31,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from specdecode.backends.hf import HFBackend
 from specdecode.backends.hidden import HiddenRows
+from specdecode.backends.tree import check_tree_room
 from specdecode.errors import SpecdecodeError
 
 NATIVE_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
@@ -227,6 +228,9 @@ class KVCache:
         self.keys = torch.empty(shape, dtype=dtype, device=device)
         self.values = torch.empty(shape, dtype=dtype, device=device)
         self.cos = self.sin = torch.empty(0, weights.head_dim, device=device)
+        # Keys and values of pending tree nodes, by node, for passes that attend row by row.
+        self.node_keys = torch.empty(shape, dtype=dtype, device=device)
+        self.node_values = torch.empty(shape, dtype=dtype, device=device)
 
     def reserve(self, n: int) -> None:
         if n <= self.capacity:
@@ -242,9 +246,35 @@ class KVCache:
         cos, sin = self.weights.rotary(probe, positions)
         self.cos, self.sin = cos[0], sin[0]  # [capacity, head_dim]
 
+    def reserve_nodes(self, n: int) -> None:
+        have = self.node_keys.shape[2]
+        if n <= have:
+            return
+        capacity = max(n, 2 * have, 16)
+        keys = self.node_keys.new_empty(*self.node_keys.shape[:2], capacity, self.node_keys.shape[3])
+        values = torch.empty_like(keys)
+        keys[:, :, :have] = self.node_keys
+        values[:, :, :have] = self.node_values
+        self.node_keys, self.node_values = keys, values
+
+
+# attend(layer index, q [H, T, D], k [KV, T, D], v [KV, T, D]): stores k and v where the pass
+# keeps them and returns the attention output [H, T, D] of its rows.
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
 
 class NativeBackend(HFBackend):
-    """HFBackend's interface and loading, with the native forward (see the module docstring)."""
+    """HFBackend's interface and loading, with the native forward (see the module docstring).
+
+    Token trees (`evaluate_tree`): the nodes' rows take positions prefix + depth - 1. Where
+    passes are row-invariant, each node's keys and values are kept by node, and a row attends
+    exactly as a one-row pass over its own path would: the slots after the prefix are a window
+    that holds the row's ancestors (refilled only where the previous row's path differs) and
+    attention runs over prefix + window, the very call of a linear pass. So a node gets the
+    bits a linear pass over its path gives it. Elsewhere the nodes sit after the prefix in node
+    order and one masked attention call serves all rows. `commit` copies the kept path into
+    the slots after the prefix: nothing is evaluated again.
+    """
 
     half_precision_on_cpu = True
 
@@ -262,9 +292,12 @@ class NativeBackend(HFBackend):
         # torch's half-precision kernel is several times slower than its float32 one on CPUs.
         self._kv = KVCache(self.weights, self.n_ctx, torch.promote_types(dtype, torch.float32), self.device)
         self.invariant = dtype in HALF_DTYPES
+        # Per layer, which node's keys and values fill each slot after the prefix (tree passes).
+        self._windows: list[list[int]] = [[] for _ in self.weights.layers]
 
     def truncate(self, n: int) -> None:
         n = max(0, n)
+        self._drop_tree()
         del self._tokens[n:]
         if self._recorder is not None:
             self._recorder.truncate(n)
@@ -272,19 +305,70 @@ class NativeBackend(HFBackend):
     def _new_recorder(self, layer_ids: Sequence[int]) -> HiddenRows:
         return HiddenRows(layer_ids, self.hidden_size)
 
+    def _check_tree_support(self) -> None:
+        """The native forward scores trees of any model it runs."""
+
     def _forward(self, chunk: Sequence[int], keep: int) -> torch.Tensor:
         ids = torch.tensor(list(chunk), dtype=torch.long, device=self.device)
-        logits = self._pass(ids, len(self._tokens), keep)
+        start = len(self._tokens)
+        end = start + len(chunk)
+        self._kv.reserve(end)
+        logits = self._pass(ids, slice(start, end), keep, self._linear_attention(start, end), self._recorder)
         self._tokens.extend(chunk)
         return logits[None]
 
-    def _pass(self, ids: torch.Tensor, start: int, keep: int) -> torch.Tensor:
-        """Rows for positions start..start+T-1 -> logits of the last `keep` rows [keep, V]."""
+    @torch.inference_mode()
+    def evaluate_tree(self, ids: Sequence[int], parents: Sequence[int]) -> torch.Tensor:
+        prefix = len(self._tokens)
+        check_tree_room(self.name, prefix, len(self._tree), len(ids), self.n_ctx)
+        nodes = self._tree.add(ids, parents)
+        self._use_threads()
+        self._kv.reserve(prefix + len(self._tree))
+        positions = torch.tensor([prefix + self._tree.depths[node] - 1 for node in nodes], device=self.device)
+        tokens = torch.tensor(list(ids), dtype=torch.long, device=self.device)
+        if self.invariant:
+            self._kv.reserve_nodes(len(self._tree))
+            attend = self._tree_attention_by_row(prefix, nodes)
+        else:
+            attend = self._tree_attention_masked(prefix, nodes)
+        logits = self._pass(tokens, positions, len(nodes), attend, self._tree_rows)
+        return logits if logits.dtype == torch.float64 else logits.float().cpu()
+
+    @torch.inference_mode()
+    def commit(self, path: Sequence[int]) -> None:
+        path = self._tree.check_path(path)
+        prefix, kv = len(self._tokens), self._kv
+        if path:
+            kept = slice(prefix, prefix + len(path))
+            if self.invariant:
+                kv.keys[:, :, kept] = kv.node_keys[:, :, path]
+                kv.values[:, :, kept] = kv.node_values[:, :, path]
+            else:
+                source = torch.tensor([prefix + node for node in path], device=self.device)
+                kv.keys[:, :, kept] = kv.keys[:, :, source]
+                kv.values[:, :, kept] = kv.values[:, :, source]
+        self._keep_path(path)
+        self._windows = [[] for _ in self.weights.layers]
+
+    def _drop_tree(self) -> None:
+        if len(self._tree):
+            self._keep_path([])
+        self._windows = [[] for _ in self.weights.layers]
+
+    def _pass(
+        self,
+        ids: torch.Tensor,
+        positions: slice | torch.Tensor,
+        keep: int,
+        attend: Attend,
+        recorder: HiddenRows | None,
+    ) -> torch.Tensor:
+        """Rows of `ids` at `positions` -> logits of the last `keep` rows [keep, V]; `attend`
+        decides what each row sees, `recorder` receives the rows' hidden states."""
         w, kv = self.weights, self._kv
-        n, end = ids.shape[0], start + ids.shape[0]
-        kv.reserve(end)
-        cos, sin = kv.cos[start:end], kv.sin[start:end]
-        recorded = self._recorder.layer_ids if self._recorder is not None else ()
+        n = ids.shape[0]
+        cos, sin = kv.cos[positions], kv.sin[positions]
+        recorded = recorder.layer_ids if recorder is not None else ()
         captured: dict[int, torch.Tensor] = {}
         x = F.embedding(ids, w.embeddings)  # [T, C]
         for index, layer in enumerate(w.layers):
@@ -295,34 +379,90 @@ class NativeBackend(HFBackend):
                 [w.n_heads * w.head_dim, w.n_kv_heads * w.head_dim, w.n_kv_heads * w.head_dim], dim=-1
             )
             q = _rotate(q.view(n, w.n_heads, w.head_dim).transpose(0, 1), cos, sin)  # [H, T, D]
-            kv.keys[index, :, start:end] = _rotate(
-                k.view(n, w.n_kv_heads, w.head_dim).transpose(0, 1), cos, sin
-            )
-            kv.values[index, :, start:end] = v.view(n, w.n_kv_heads, w.head_dim).transpose(0, 1)
-            attended = self._attend(q.to(kv.dtype), kv.keys[index], kv.values[index], start).to(x.dtype)
+            k = _rotate(k.view(n, w.n_kv_heads, w.head_dim).transpose(0, 1), cos, sin)
+            v = v.view(n, w.n_kv_heads, w.head_dim).transpose(0, 1)
+            attended = attend(index, q.to(kv.dtype), k, v).to(x.dtype)
             x = x + layer.out(attended.transpose(0, 1).reshape(n, w.n_heads * w.head_dim))
             gate, up = layer.gate_up(_rms_norm(x, layer.post_norm, w.eps)).chunk(2, dim=-1)
             x = x + layer.down(F.silu(gate) * up)
         if len(w.layers) in recorded:
             captured[len(w.layers)] = x
         if captured:
-            self._recorder.extend(torch.cat([captured[layer] for layer in recorded], dim=-1))
+            recorder.extend(torch.cat([captured[layer] for layer in recorded], dim=-1))
         return w.lm_head(_rms_norm(x[n - keep :], w.final_norm, w.eps))
+
+    def _linear_attention(self, start: int, end: int) -> Attend:
+        """Rows at positions start..end-1, each seeing every position before it."""
+        kv = self._kv
+
+        def attend(index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            kv.keys[index, :, start:end] = k
+            kv.values[index, :, start:end] = v
+            return self._attend(q, kv.keys[index], kv.values[index], start)
+
+        return attend
+
+    def _tree_attention_by_row(self, prefix: int, nodes: range) -> Attend:
+        """Tree rows one by one, each over prefix + its own path laid out in the window."""
+        kv, tree = self._kv, self._tree
+
+        def attend(index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            kv.node_keys[index, :, nodes.start : nodes.stop] = k
+            kv.node_values[index, :, nodes.start : nodes.stop] = v
+            keys, values, window = kv.keys[index], kv.values[index], self._windows[index]
+            rows = []
+            for row, node in enumerate(nodes):
+                path = tree.path(node)
+                for slot, ancestor in enumerate(path):
+                    if slot < len(window) and window[slot] == ancestor:
+                        continue
+                    keys[:, prefix + slot] = kv.node_keys[index, :, ancestor]
+                    values[:, prefix + slot] = kv.node_values[index, :, ancestor]
+                    if slot < len(window):
+                        window[slot] = ancestor
+                    else:
+                        window.append(ancestor)
+                rows.append(self._attend_row(q[:, row : row + 1], keys, values, prefix + len(path)))
+            return torch.cat(rows, dim=1)
+
+        return attend
+
+    def _tree_attention_masked(self, prefix: int, nodes: range) -> Attend:
+        """Tree rows together: nodes after the prefix in node order, one masked attention call."""
+        kv = self._kv
+        end = prefix + len(self._tree)
+        visible = self._tree.visibility(nodes, prefix, self.device)  # [T, end]
+        gqa = self.weights.n_kv_heads != self.weights.n_heads
+
+        def attend(index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            kv.keys[index, :, prefix + nodes.start : prefix + nodes.stop] = k
+            kv.values[index, :, prefix + nodes.start : prefix + nodes.stop] = v
+            return F.scaled_dot_product_attention(
+                q[None],
+                kv.keys[None, index, :, :end],
+                kv.values[None, index, :, :end],
+                attn_mask=visible,
+                enable_gqa=gqa,
+            )[0]
+
+        return attend
+
+    def _attend_row(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, end: int
+    ) -> torch.Tensor:
+        """One query row [H, 1, D] over cached positions 0..end-1: the call a one-row pass makes."""
+        return F.scaled_dot_product_attention(
+            q[None],
+            keys[None, :, :end],
+            values[None, :, :end],
+            enable_gqa=self.weights.n_kv_heads != self.weights.n_heads,
+        )[0]
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int) -> torch.Tensor:
         """Causal attention of queries [H, T, D] at positions start.. over the cached keys."""
         n = q.shape[1]
-        gqa = self.weights.n_kv_heads != self.weights.n_heads
         if n == 1 or (self.invariant and n <= INVARIANT_ROWS):
-            rows = [
-                F.scaled_dot_product_attention(
-                    q[None, :, i : i + 1],
-                    keys[None, :, : start + i + 1],
-                    values[None, :, : start + i + 1],
-                    enable_gqa=gqa,
-                )[0]
-                for i in range(n)
-            ]
+            rows = [self._attend_row(q[:, i : i + 1], keys, values, start + i + 1) for i in range(n)]
             return rows[0] if n == 1 else torch.cat(rows, dim=1)
         visible = torch.ones(n, start + n, dtype=torch.bool, device=q.device).tril(start)
         return F.scaled_dot_product_attention(
@@ -330,7 +470,7 @@ class NativeBackend(HFBackend):
             keys[None, :, : start + n],
             values[None, :, : start + n],
             attn_mask=visible,
-            enable_gqa=gqa,
+            enable_gqa=self.weights.n_kv_heads != self.weights.n_heads,
         )[0]
 
 
