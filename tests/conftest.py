@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from scipy import stats
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
 from specdecode import HFBackend, Sampler, SamplingParams
@@ -300,3 +301,39 @@ def eagle3_head(steps: int = 200, draft_vocab: int = 200):
         loss.backward()
         optimizer.step()
     return head.eval().requires_grad_(False)
+
+
+def chi_square_pvalue(counts: dict, expected: dict[object, float]) -> float:
+    """Goodness of fit of `counts` (cell -> n) to `expected` (cell -> probability).
+
+    Cells with expected count below 5 are pooled into one bin (merged into the smallest
+    regular bin if the pool itself stays below 5), the usual validity rule for the chi-square
+    approximation. An observation in a cell of probability zero is an outright failure
+    (p-value 0).
+    """
+    n = sum(counts.values())
+    if any(count > 0 and expected.get(cell, 0.0) <= 0.0 for cell, count in counts.items()):
+        return 0.0
+    total = sum(expected.values())
+    assert abs(total - 1.0) < 1e-9, total
+    observed, wanted = [], []
+    pooled_obs, pooled_exp = 0, 0.0
+    for cell, prob in expected.items():
+        if prob <= 0.0:
+            continue
+        if n * prob < 5:
+            pooled_obs += counts.get(cell, 0)
+            pooled_exp += n * prob
+        else:
+            observed.append(counts.get(cell, 0))
+            wanted.append(n * prob)
+    if pooled_exp > 0:
+        if pooled_exp >= 5 or not wanted:
+            observed.append(pooled_obs)
+            wanted.append(pooled_exp)
+        else:  # too small to stand alone: merge it into the smallest bin
+            smallest = int(np.argmin(wanted))
+            observed[smallest] += pooled_obs
+            wanted[smallest] += pooled_exp
+    assert len(observed) >= 2, "need at least two bins"
+    return float(stats.chisquare(observed, wanted).pvalue)

@@ -104,6 +104,31 @@ def add_spec_args(parser: argparse.ArgumentParser) -> None:
         help="stop drafting when the draft's top-1 probability is below this",
     )
     group.add_argument(
+        "--draft-n-parallel",
+        type=int,
+        default=1,
+        help="draft-model trees: most branches (1: a chain); a tree holds at most --draft-max nodes",
+    )
+    group.add_argument(
+        "--draft-p-split",
+        "--spec-draft-p-split",
+        type=float,
+        default=0.1,
+        help="draft-model trees: a candidate above this probability opens a branch",
+    )
+    group.add_argument(
+        "--draft-tree-tokens",
+        type=int,
+        default=0,
+        help="EAGLE-3 dynamic tree: nodes kept per draft (0: a chain)",
+    )
+    group.add_argument(
+        "--draft-tree-topk",
+        type=int,
+        default=4,
+        help="EAGLE-3 dynamic tree: nodes expanded per depth, and children of each",
+    )
+    group.add_argument(
         "--verify",
         choices=VERIFY_MODES,
         default="match",
@@ -196,6 +221,19 @@ def ngram_from_args(args: argparse.Namespace) -> NgramSettings:
     )
 
 
+def draft_config(args: argparse.Namespace) -> DraftModelConfig:
+    """The draft model's and EAGLE-3 head's drafting settings from the flags."""
+    return DraftModelConfig(
+        args.draft_max,
+        args.draft_min,
+        args.draft_p_min,
+        p_split=args.draft_p_split,
+        n_parallel=args.draft_n_parallel,
+        tree_tokens=args.draft_tree_tokens,
+        tree_topk=args.draft_tree_topk,
+    )
+
+
 def load_options(args: argparse.Namespace) -> tuple[LoadOptions, LoadOptions]:
     """The target's and the draft's loading options (the draft's default to the target's)."""
     target = LoadOptions(
@@ -228,7 +266,7 @@ def pipeline_from_args(args: argparse.Namespace) -> Pipeline:
         target_options=target_options,
         draft_options=draft_options,
         spec_types=spec_types,
-        draft_config=DraftModelConfig(args.draft_max, args.draft_min, args.draft_p_min),
+        draft_config=draft_config(args),
         ngram=ngram_from_args(args),
         replacements=[tuple(pair) for pair in args.spec_replace] if args.spec_replace else None,
     )

@@ -4,6 +4,14 @@ llama.cpp's classic `draft` implementation: the draft keeps its own KV cache and
 longest prefix it already evaluated, drafts the argmax, and stops at the first position
 whose top-1 probability (softmax over the 10 largest logits, no temperature) is below p_min.
 For rejection verification it samples from its own distribution instead and reports it.
+
+With n_parallel > 1 it drafts a tree, llama.cpp's p_split scheme (examples/speculative): at
+every node whose top-1 probability reaches p_min, the top candidate continues the branch and
+each next candidate (ranks 1..7, while branches are left) whose probability exceeds p_split
+opens a new one; a tree holds at most n_max nodes. All nodes of one depth are scored in one
+tree pass of the draft model, so a prefix shared by branches is evaluated once. For rejection
+verification the children of a node are drawn from the draft's distribution without
+replacement, each reported with the distribution it was drawn from.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ from specdecode.strategies.base import Draft
 from specdecode.vocab import VocabTranslator
 
 CONFIDENCE_TOP_K = 10
+SPLIT_RANKS = 8  # candidates a node may branch into: the top one and ranks 1..7 (llama.cpp)
 
 
 @dataclass(frozen=True)
@@ -60,8 +69,14 @@ class DraftModelConfig:
 
 def top1_confidence(logits: torch.Tensor) -> float:
     """Probability of the best token under a softmax over the 10 largest logits [V]."""
-    top = torch.topk(logits, min(CONFIDENCE_TOP_K, logits.shape[-1])).values.to(torch.float64)
-    return float(torch.softmax(top, dim=0)[0])
+    return float(top_candidates(logits)[1][0])
+
+
+def top_candidates(logits: torch.Tensor) -> tuple[list[int], torch.Tensor]:
+    """The 10 best ids of logits [V], best first, with their probabilities under a softmax
+    over those 10 logits (what p_min and p_split read)."""
+    top = torch.topk(logits, min(CONFIDENCE_TOP_K, logits.shape[-1]))
+    return top.indices.tolist(), torch.softmax(top.values.to(torch.float64), dim=0)
 
 
 class DraftModelStrategy:
@@ -84,6 +99,11 @@ class DraftModelStrategy:
         self.translator = translator
         self.sampler = sampler if sampler is not None and not sampler.params.greedy else None
         self._window_start = 0
+        if config.n_parallel > 1 and translator is not None:
+            raise SpecdecodeError(
+                "--draft-n-parallel > 1 needs a draft of the target's vocabulary: tree nodes cannot be "
+                "translated through text (--spec-replace)"
+            )
 
     def begin(self, prompt: Sequence[int]) -> None:
         self._window_start = 0
@@ -100,6 +120,8 @@ class DraftModelStrategy:
             return Draft()
         context = self._draft_context(history, last, n_max)
         logits = evaluate_continuation(self.backend, context)  # [V]
+        if self.config.n_parallel > 1:
+            return self._draft_tree(context, logits, n_max)
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
         while len(tokens) < n_max and top1_confidence(logits) >= self.config.p_min:
@@ -111,6 +133,79 @@ class DraftModelStrategy:
             if len(tokens) < n_max:
                 logits = self.backend.evaluate([token], logits_rows=1)[0]
         return self._to_target(tokens, rows, n_max)
+
+    def _draft_tree(self, context: list[int], root_logits: torch.Tensor, n_max: int) -> Draft:
+        """The p_split tree after `context` (whose logits are root_logits), at most n_max nodes."""
+        tokens: list[int] = []
+        parents: list[int] = []
+        rows: list[torch.Tensor] = []
+        paths: list[list[int]] = []  # each node's tokens from the root down
+        frontier: list[tuple[int, torch.Tensor]] = [(-1, root_logits)]  # (node, its logits)
+        branches = 1
+        main = -1  # the end of the top-1 branch: committed to the draft's cache at the end
+        for depth in range(n_max):
+            new: list[int] = []
+            for parent, logits in frontier:
+                if len(tokens) >= n_max or top1_confidence(logits) < self.config.p_min:
+                    continue
+                path = paths[parent] if parent >= 0 else []
+                picks = self._children(
+                    logits, [*context, *path], n_max - len(tokens), self._splits(logits, branches)
+                )
+                branches += len(picks) - 1
+                for token, row in picks:
+                    tokens.append(token)
+                    parents.append(parent)
+                    rows.append(row)
+                    paths.append([*path, token])
+                    new.append(len(tokens) - 1)
+                if parent == main and picks:
+                    main = len(tokens) - len(picks)
+            if not new or len(tokens) >= n_max or depth + 1 == n_max:
+                break
+            scored = self.backend.evaluate_tree([tokens[n] for n in new], [parents[n] for n in new])
+            frontier = list(zip(new, scored, strict=True))
+        # The draft's pending nodes are numbered as the tree's: every depth is scored before the
+        # next is added. Keep the top-1 branch (what a chain would have drafted) cached.
+        scored_main = main if main < len(tokens) - len(new) else parents[main]
+        self.backend.commit(paths_of(parents, scored_main))
+        if not tokens or max(len(p) for p in paths) < self.n_min:
+            return Draft()
+        probs = torch.stack(rows) if self.sampler is not None else None  # [N, V]
+        return Draft(tokens, probs, parents=parents)
+
+    def _splits(self, logits: torch.Tensor, branches: int) -> int:
+        """How many extra branches a node opens: candidates of rank 1..7 above p_split, while
+        fewer than n_parallel branches exist."""
+        _, probs = top_candidates(logits)
+        extra = 0
+        for rank in range(1, min(SPLIT_RANKS, len(probs))):
+            if branches + extra >= self.config.n_parallel or float(probs[rank]) <= self.config.p_split:
+                break
+            extra += 1
+        return extra
+
+    def _children(
+        self, logits: torch.Tensor, context: list[int], room: int, extra: int
+    ) -> list[tuple[int, torch.Tensor | None]]:
+        """A node's children: its 1 + extra best candidates (greedy drafting), or as many drawn
+        from the draft's distribution without replacement, each with the distribution it was
+        drawn from (sampled drafting). Ids the target cannot emit are skipped."""
+        count = min(1 + extra, room)
+        if self.sampler is None:
+            ids, _ = top_candidates(logits)
+            return [(token, None) for token in ids if token < self.target_vocab_size][:count]
+        probs = distribution(logits, self.sampler.params, context)[: self.target_vocab_size]  # [V]
+        picks: list[tuple[int, torch.Tensor | None]] = []
+        for _ in range(count):
+            if float(probs.sum()) <= 0.0:
+                break
+            probs = probs / probs.sum()
+            token = self.sampler.draw(probs)
+            picks.append((token, probs))
+            probs = probs.clone()
+            probs[token] = 0.0
+        return picks
 
     def _pick(self, logits: torch.Tensor, context: list[int]) -> tuple[int, torch.Tensor | None]:
         if self.sampler is None:
@@ -141,3 +236,12 @@ class DraftModelStrategy:
         if len(tokens) < self.n_min:
             return Draft()
         return Draft(tokens, probs)
+
+
+def paths_of(parents: list[int], node: int) -> list[int]:
+    """The nodes from the root down to `node` (none for -1)."""
+    path: list[int] = []
+    while node >= 0:
+        path.append(node)
+        node = parents[node]
+    return path[::-1]
