@@ -139,6 +139,27 @@ def test_commit_after_a_tree_equals_a_fresh_evaluation(zoo, kind):
 
 
 @pytest.mark.parametrize("kind", BACKENDS)
+def test_committed_path_keeps_its_hidden_states(zoo, kind):
+    """What EAGLE-3 reads after a tree step: the kept path's feature rows, as a linear pass
+    records them."""
+    backend, linear = make_backend(zoo, kind), make_backend(zoo, kind)
+    for b in (backend, linear):
+        b.capture_hidden([0, 1, 2])
+        b.evaluate(PROMPT)
+    backend.evaluate_tree([40, 41, 42], [-1, -1, 1])
+    backend.evaluate_tree([43], [2])
+    backend.commit([1, 2, 3])
+    for token in (41, 42, 43):
+        linear.evaluate([token])
+    end = len(PROMPT) + 3
+    got, expected = backend.hidden_states(0, end), linear.hidden_states(0, end)
+    assert got.shape == expected.shape
+    assert (
+        torch.equal(got, expected) if kind.endswith("bfloat16") else torch.allclose(got, expected, atol=1e-9)
+    )
+
+
+@pytest.mark.parametrize("kind", BACKENDS)
 def test_truncate_and_evaluate_drop_pending_nodes(zoo, kind):
     backend = make_backend(zoo, kind)
     backend.evaluate(PROMPT)

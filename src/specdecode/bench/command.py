@@ -65,6 +65,18 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     group.add_argument("--draft-min", type=int, default=0, help="drop drafts shorter than this")
     group.add_argument("--draft-p-min", type=float, default=0.75, help="draft confidence to keep drafting")
     group.add_argument(
+        "--draft-n-parallel", type=int, default=4, help="draft-tree systems: most branches (4)"
+    )
+    group.add_argument(
+        "--draft-p-split", type=float, default=0.1, help="draft-tree systems: probability that opens a branch"
+    )
+    group.add_argument(
+        "--draft-tree-tokens", type=int, default=16, help="eagle3-tree systems: nodes per dynamic tree (16)"
+    )
+    group.add_argument(
+        "--draft-tree-topk", type=int, default=4, help="eagle3-tree systems: nodes expanded per depth (4)"
+    )
+    group.add_argument(
         "--sweep",
         help="comma-separated --draft-max values for the sweep (quick 2,8; full 1,2,4,8,16; 0: none)",
     )
@@ -126,7 +138,15 @@ def run_bench(
     chosen = settings(args)
     tasks = bench_tasks(args, chosen["prompts_per_task"])
     target, draft, eagle3 = load_models(args, target_options, draft_options)
-    draft_config = DraftModelConfig(args.draft_max, args.draft_min, args.draft_p_min)
+    draft_config = DraftModelConfig(
+        args.draft_max,
+        args.draft_min,
+        args.draft_p_min,
+        p_split=args.draft_p_split,
+        n_parallel=args.draft_n_parallel,
+        tree_tokens=args.draft_tree_tokens,
+        tree_topk=args.draft_tree_topk,
+    )
     names = (
         [name.strip().replace("+", ",") for name in args.systems.split(",")]
         if args.systems

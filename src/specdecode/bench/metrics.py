@@ -52,6 +52,8 @@ def _counters(runs: Sequence[Measurement]) -> dict:
         return {}
     counts = DraftCounts()
     for s in stats:
+        counts.n_drafts += s.totals.n_drafts
+        counts.n_tree_drafts += s.totals.n_tree_drafts
         counts.n_drafted += s.totals.n_drafted
         counts.n_accepted += s.totals.n_accepted
         for mine, theirs in (
@@ -68,6 +70,7 @@ def _counters(runs: Sequence[Measurement]) -> dict:
     tokens_per_pass = sum(s.n_step_tokens for s in stats) / passes if passes else 0.0
     cost_ratio = (t_draft / counts.n_drafted) / (t_verify / passes) if counts.n_drafted and t_verify else 0.0
     alpha = solve_alpha(tokens_per_pass, gamma)
+    tree = counts.n_tree_drafts > 0  # S(α, γ, c) models a chain: no ideal for trees
     return {
         "acceptance_rate": counts.acceptance_rate,
         "acceptance_by_position": counts.acceptance_by_position,
@@ -75,9 +78,10 @@ def _counters(runs: Sequence[Measurement]) -> dict:
         "accepted_by_position": counts.accepted_per_pos,
         "tokens_per_pass": tokens_per_pass,
         "draft_tokens_per_pass": gamma,
-        "alpha": alpha,
+        "tree_drafts": counts.n_tree_drafts / counts.n_drafts if counts.n_drafts else 0.0,
+        "alpha": None if tree else alpha,
         "cost_ratio": cost_ratio,
-        "ideal_speedup": ideal_speedup(alpha, gamma, cost_ratio),
+        "ideal_speedup": None if tree else ideal_speedup(alpha, gamma, cost_ratio),
         "share_draft": t_draft / t_generation,
         "share_verify": t_verify / t_generation,
         "share_other": max(0.0, 1 - (t_draft + t_verify) / t_generation),
@@ -111,7 +115,7 @@ def summarize(measurements: Sequence[Measurement]) -> list[dict]:
             "exact_match_rate": sum(exact) / len(exact) if exact else None,
             **_counters(runs),
         }
-        if "ideal_speedup" in row and row["speedup_vs_plain"] is not None:
+        if row.get("ideal_speedup") and row["speedup_vs_plain"] is not None:
             row["fraction_of_ideal"] = row["speedup_vs_plain"] / row["ideal_speedup"]
         rows.append(row)
     return rows

@@ -6,7 +6,9 @@ machine, the kernels and the forward, not of the models' quality, so this measur
 directly: after a prompt, the median time to evaluate T rows (then roll them back), for the
 target and the draft, through transformers' forward in float32, through the backend
 `--backend` chooses in float32, and through that backend in `--dtype` (by default: the native
-forward, in bfloat16 where the CPU has native bf16 arithmetic).
+forward, in bfloat16 where the CPU has native bf16 arithmetic). For the target, the same
+backends also score token trees of T nodes in one tree pass (rows marked "tree"): a root
+and its descendants, three children a node, which is what a verify pass of a tree costs.
 """
 
 from __future__ import annotations
@@ -31,7 +33,9 @@ PROMPT = (
 
 
 def add_bench_passes_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("bench-passes", help="time forward passes of 1..17 rows, per backend")
+    parser = subparsers.add_parser(
+        "bench-passes", help="time forward passes of 1..17 rows (chains and trees), per backend"
+    )
     parser.set_defaults(handler=run)
     parser.add_argument("-m", "--model", type=Path, help="target directory (default: the bundled target)")
     parser.add_argument(
@@ -45,18 +49,23 @@ def add_bench_passes_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--reps", type=int, default=30, help="timed passes per row count")
 
 
-def pass_times(backend: HFBackend, rows: tuple[int, ...], reps: int) -> dict[int, float]:
-    """Median seconds to evaluate T rows after the prompt, for each T in `rows`."""
+def pass_times(backend: HFBackend, rows: tuple[int, ...], reps: int, tree: bool = False) -> dict[int, float]:
+    """Median seconds to evaluate T rows after the prompt, for each T in `rows`: a chain of T
+    tokens, or (tree) a tree pass of T nodes, three children a node."""
     prompt = backend.tokenize(PROMPT)
     backend.truncate(0)
     backend.evaluate(prompt)
     cached = len(backend.tokens)
     times = {}
     for n in rows:
+        parents = [-1, *((i - 1) // 3 for i in range(1, n))]
         samples = []
         for _ in range(reps + 2):  # two warm-up passes
             start = time.perf_counter()
-            backend.evaluate(prompt[:n])
+            if tree:
+                backend.evaluate_tree(prompt[:n], parents)
+            else:
+                backend.evaluate(prompt[:n])
             samples.append(time.perf_counter() - start)
             backend.truncate(cached)
         times[n] = statistics.median(samples[2:])
@@ -70,7 +79,9 @@ def run(args: argparse.Namespace) -> None:
         LoadOptions(dtype="float32", threads=args.threads, backend=args.backend),
         LoadOptions(dtype=args.dtype, threads=args.threads, backend=args.backend),
     ]
-    table = Table(title=f"ms per forward pass of T rows, {args.threads} thread(s) (× the one-row pass)")
+    table = Table(
+        title=f"ms per forward pass of T rows or tree nodes, {args.threads} thread(s) (× the one-row pass)"
+    )
     for column in ("model", "backend", "dtype"):
         table.add_column(column)
     for n in ROWS:
@@ -84,9 +95,14 @@ def run(args: argparse.Namespace) -> None:
             if (type(backend), backend.model.dtype) in seen:
                 continue
             seen.add((type(backend), backend.model.dtype))
-            times = pass_times(backend, ROWS, args.reps)
             name = "native" if isinstance(backend, NativeBackend) else "hf"
             dtype = str(backend.model.dtype).removeprefix("torch.")
-            cells = [f"{1e3 * times[n]:.1f} ({times[n] / times[1]:.2f})" for n in ROWS]
-            table.add_row(label, name, dtype, *cells)
+            times = pass_times(backend, ROWS, args.reps)
+            table.add_row(
+                label, name, dtype, *(f"{1e3 * times[n]:.1f} ({times[n] / times[1]:.2f})" for n in ROWS)
+            )
+            if label == "target":
+                trees = pass_times(backend, ROWS, args.reps, tree=True)
+                cells = [f"{1e3 * trees[n]:.1f} ({trees[n] / times[1]:.2f})" for n in ROWS]
+                table.add_row(label, f"{name} tree", dtype, *cells)
     Console(width=120).print(table)

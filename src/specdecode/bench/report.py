@@ -4,7 +4,8 @@ Columns, for each system on a task:
   tok/s      generated tokens per second end to end, median over runs (min–max)
   ×plain     speed-up over our plain generation;  ×HF: over Hugging Face's plain `generate`
   accept     accepted / drafted tokens;  tok/pass: tokens emitted per target pass
-  ideal S    S(α, γ, c) from the measured α, γ and c (see `metrics`);  of S: measured / ideal
+  nodes/pass draft tokens verified per target pass (a tree's nodes count each)
+  ideal S    S(α, γ, c) from the measured α, γ and c (see `metrics`; chains only);  of S: measured / ideal
   d/v/o %    share of generation time spent drafting / verifying (target passes) / elsewhere
   exact      share of runs whose tokens equal our plain greedy output
 """
@@ -27,6 +28,7 @@ COLUMNS = (
     "×HF",
     "accept",
     "tok/pass",
+    "nodes/pass",
     "ideal S",
     "of S",
     "d/v/o %",
@@ -42,6 +44,7 @@ def cells(row: dict) -> list[str]:
     drafted = row.get("draft_tokens_per_pass", 0) > 0
     speculative = {key: row.get(key) if drafted else None for key in ("acceptance_rate", "tokens_per_pass")}
     ideal = row.get("ideal_speedup") if drafted else None
+    nodes = row.get("draft_tokens_per_pass") if drafted else None
     shares = (
         f"{100 * row['share_draft']:.0f}/{100 * row['share_verify']:.0f}/{100 * row['share_other']:.0f}"
         if "share_draft" in row
@@ -55,8 +58,9 @@ def cells(row: dict) -> list[str]:
         _number(row["speedup_vs_hf_plain"], ".2f"),
         _number(speculative["acceptance_rate"], ".2f"),
         _number(speculative["tokens_per_pass"], ".2f"),
+        _number(nodes, ".2f"),
         _number(ideal, ".2f"),
-        _number(row.get("fraction_of_ideal") if drafted else None, ".0%"),
+        _number(row.get("fraction_of_ideal") if ideal else None, ".0%"),
         shares,
         _number(row["exact_match_rate"], ".0%"),
     ]

@@ -30,6 +30,11 @@ GREEDY = SamplingParams(temperature=0)
 MODEL_FREE = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")
 CHAINS = (("ngram-simple", "draft"), ("ngram-mod", "ngram-map-k4v", "draft"))
 EAGLE3_SYSTEMS = ("eagle3", "ngram-simple,eagle3")  # when an EAGLE-3 head is loaded
+# Trees: "draft-tree" is the draft strategy with --draft-n-parallel branches, "eagle3-tree" the
+# head with a --draft-tree-tokens dynamic tree; every other system drafts chains.
+DRAFT_TREE_SYSTEMS = ("draft-tree", "ngram-simple,draft-tree")
+EAGLE3_TREE_SYSTEMS = ("eagle3-tree", "ngram-simple,eagle3-tree")
+TREES = {"draft-tree": "draft", "eagle3-tree": "eagle3"}
 # Hugging Face's documented example value; its n-gram size stays at the default (2).
 HF_PROMPT_LOOKUP_TOKENS = 10
 
@@ -108,9 +113,9 @@ def system_names(has_draft: bool, include_hf: bool, has_eagle3: bool = False) ->
     """Every system the suite knows for these models, in table order."""
     ours = ["plain", *MODEL_FREE]
     if has_draft:
-        ours += ["draft", *(",".join(chain) for chain in CHAINS)]
+        ours += ["draft", *(",".join(chain) for chain in CHAINS), *DRAFT_TREE_SYSTEMS]
     if has_eagle3:
-        ours += list(EAGLE3_SYSTEMS)
+        ours += [*EAGLE3_SYSTEMS, *EAGLE3_TREE_SYSTEMS]
     hf = ["hf-plain", "hf-prompt-lookup"] + (["hf-assisted"] if has_draft else [])
     return ours + (hf if include_hf else [])
 
@@ -149,7 +154,13 @@ def _system(
         return HFSystem(name, target, prompt_lookup_num_tokens=HF_PROMPT_LOOKUP_TOKENS)
     if name == "hf-assisted":
         return HFSystem(name, target, assistant=draft)
-    spec_types = [] if name == "plain" else sorted(name.split(","), key=PRIORITY.index)
+    parts = [] if name == "plain" else name.split(",")
+    spec_types = sorted((TREES.get(part, part) for part in parts), key=PRIORITY.index)
+    config = replace(
+        draft_config,
+        n_parallel=draft_config.n_parallel if "draft-tree" in parts else 1,
+        tree_tokens=draft_config.tree_tokens if "eagle3-tree" in parts else 0,
+    )
     return OursSystem(
         name,
         lambda: Pipeline(
@@ -157,7 +168,7 @@ def _system(
             draft if "draft" in spec_types else None,
             eagle3=eagle3 if "eagle3" in spec_types else None,
             spec_types=spec_types,
-            draft_config=draft_config,
+            draft_config=config,
             ngram=ngram,
         ),
     )
@@ -169,7 +180,7 @@ def draft_max_systems(
     """The draft strategy at several --draft-max values (for the speed-up vs draft-max sweep)."""
 
     def pipeline_at(n_max: int) -> Callable[[], Pipeline]:
-        config = replace(draft_config, n_max=n_max, n_min=min(draft_config.n_min, n_max))
+        config = replace(draft_config, n_max=n_max, n_min=min(draft_config.n_min, n_max), n_parallel=1)
         return lambda: Pipeline(target, draft, spec_types=["draft"], draft_config=config)
 
     return [OursSystem(f"draft-max {n_max}", pipeline_at(n_max)) for n_max in values]
