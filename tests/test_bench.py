@@ -187,6 +187,7 @@ def test_bench_passes_times_every_row_count_for_target_and_draft(pair, capsys):
     printed = capsys.readouterr().out
     assert all(f"T={n}" in printed for n in (1, 2, 3, 5, 9, 17))
     rows = [line for line in printed.splitlines() if line.startswith("│")]
-    # float64 models: hf, and the native forward (auto dtype keeps float64 once, float32 once)
-    assert [row.split("│")[1].strip() for row in rows] == ["target"] * 3 + ["draft"] * 3
-    assert {row.split("│")[2].strip() for row in rows} == {"hf", "native"}
+    # float64 models: hf, and the native forward (auto dtype keeps float64 once, float32 once);
+    # the target's tree passes through each of them too
+    assert [row.split("│")[1].strip() for row in rows] == ["target"] * 6 + ["draft"] * 3
+    assert {row.split("│")[2].strip() for row in rows} == {"hf", "native", "hf tree", "native tree"}
