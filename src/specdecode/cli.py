@@ -345,7 +345,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(ben)
     add_ngram_args(ben)
     ben.set_defaults(
-        handler=lambda args: bench_command.run_bench(args, ngram_from_args(args), *load_options(args))
+        handler=lambda args: bench_command.run_bench(
+            args, draft_config(args), ngram_from_args(args), *load_options(args)
+        )
     )
 
     srv = commands.add_parser(

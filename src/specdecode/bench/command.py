@@ -132,21 +132,17 @@ def load_models(
 
 
 def run_bench(
-    args: argparse.Namespace, ngram: NgramSettings, target_options: LoadOptions, draft_options: LoadOptions
+    args: argparse.Namespace,
+    draft_config: DraftModelConfig,
+    ngram: NgramSettings,
+    target_options: LoadOptions,
+    draft_options: LoadOptions,
 ) -> None:
-    """The suite; the n-gram settings and loading options come from the flags shared with generate."""
+    """The suite; the drafting and n-gram settings and loading options come from the flags,
+    read as generate reads them (the tree systems' defaults are bench's own)."""
     chosen = settings(args)
     tasks = bench_tasks(args, chosen["prompts_per_task"])
     target, draft, eagle3 = load_models(args, target_options, draft_options)
-    draft_config = DraftModelConfig(
-        args.draft_max,
-        args.draft_min,
-        args.draft_p_min,
-        p_split=args.draft_p_split,
-        n_parallel=args.draft_n_parallel,
-        tree_tokens=args.draft_tree_tokens,
-        tree_topk=args.draft_tree_topk,
-    )
     names = (
         [name.strip().replace("+", ",") for name in args.systems.split(",")]
         if args.systems
