@@ -8,16 +8,21 @@ built from such runs.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
-from conftest import eagle3_corpus, eagle3_head, eagle3_target
+from conftest import VOCAB_SIZE, eagle3_corpus, eagle3_head, eagle3_target
 
-from specdecode import DraftModelConfig, Sampler
+from specdecode import DraftModelConfig, Sampler, SamplingParams
 from specdecode.eagle3.head import HeadCache, HeadTree
+from specdecode.sampling import distribution
 from specdecode.strategies.base import Draft
 from specdecode.strategies.eagle3 import Eagle3Strategy
 
+# wide sampling (no truncation): siblings are drawn from the whole draft vocabulary
+WIDE = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
 TIGHT = {"rtol": 0, "atol": 1e-12}
 
 
@@ -238,3 +243,74 @@ def test_reused_head_cache_drafts_what_a_fresh_head_drafts(zoo):
         draft = strategy.draft(ids[:-1], ids[-1], 16)
         fresh = strategy_after(zoo, ids, config).draft(ids[:-1], ids[-1], 16)
         assert (draft.tokens, draft.parents) == (fresh.tokens, fresh.parents)
+
+
+# --------------------------------------------------------------------------- rejection verification
+
+
+def rejection_draft(zoo, ids: list[int], seed: int) -> Draft:
+    config = DraftModelConfig(n_max=4, tree_tokens=12, tree_topk=3)
+    return strategy_after(zoo, ids, config, Sampler(replace(WIDE, seed=seed))).draft(ids[:-1], ids[-1], 16)
+
+
+def test_rejection_siblings_are_drawn_without_replacement(zoo):
+    """Each node's row is the distribution it was drawn from: its parent's sampling distribution
+    with the earlier siblings removed and renormalised."""
+    for seed, ids in enumerate(contexts(3)):
+        draft = rejection_draft(zoo, ids, seed)
+        assert draft.depth > 1 and draft.probs.shape == (len(draft.tokens), VOCAB_SIZE)
+        torch.testing.assert_close(draft.probs.sum(1), torch.ones(len(draft.tokens), dtype=torch.float64))
+        assert all(float(draft.probs[i, token]) > 0 for i, token in enumerate(draft.tokens))
+        linear = LinearHead(strategy_after(zoo, ids, DraftModelConfig()), ids)
+        node_paths = paths(draft)
+        for parent, kids in children(draft).items():
+            path = node_paths[parent] if parent >= 0 else ()
+            expected = distribution(linear.logits(path), WIDE, [*ids, *path])
+            earlier = [draft.tokens[i] for i in kids]
+            assert len(set(earlier)) == len(earlier)
+            for j, i in enumerate(kids):
+                assert float(draft.probs[i, earlier[:j]].abs().sum()) == 0.0
+                torch.testing.assert_close(draft.probs[i], expected / expected.sum(), **TIGHT)
+                expected = expected.clone()
+                expected[earlier[j]] = 0.0
+        # seeded: the same tree again; another seed draws another one
+        again = rejection_draft(zoo, ids, seed)
+        assert (again.tokens, again.parents) == (draft.tokens, draft.parents)
+        assert torch.equal(again.probs, draft.probs)
+    assert any(
+        rejection_draft(zoo, ids, 100).tokens != rejection_draft(zoo, ids, 0).tokens for ids in contexts(3)
+    )
+
+
+def recursive_rejection(p: torch.Tensor, tokens: list[int], rows: torch.Tensor, rng) -> int:
+    """One step of SpecInfer's verification over sibling drafts: try each against the residual."""
+    residual = p
+    for token, q in zip(tokens, rows, strict=True):
+        if rng.random() * float(q[token]) < float(residual[token]):
+            return token
+        residual = (residual - q).clamp(min=0)
+        residual = residual / residual.sum()
+    return int(rng.choice(len(residual), p=residual.numpy()))
+
+
+def test_kept_siblings_leave_rejection_exact(zoo):
+    """Ranking a drawn child by its own probability would keep the likelier of the draws and
+    bias verification (this test then gives chi-square near 100); ranking the j-th draw by the
+    j-th largest probability keeps a prefix of the draws, and the first token verified against
+    any target distribution p follows p."""
+    ids = contexts(1)[0]
+    config = DraftModelConfig(n_max=1, tree_tokens=2, tree_topk=4)
+    strategy = strategy_after(zoo, ids, config, Sampler(replace(WIDE, seed=1)))
+    with torch.no_grad():
+        p = torch.softmax(eagle3_target()(input_ids=torch.tensor([ids])).logits[0, -1].double(), -1)
+    rng, n = np.random.default_rng(0), 2000
+    counts = np.zeros(len(p))
+    for _ in range(n):
+        draft = strategy.draft(ids[:-1], ids[-1], 1)
+        assert len(draft.tokens) == 2
+        counts[recursive_rejection(p, draft.tokens, draft.probs, rng)] += 1
+    order = torch.argsort(p, descending=True).numpy()
+    groups = [order[:1], order[1:3], order[3:6], order[6:]]
+    expected = np.array([float(p[g].sum()) for g in groups]) * n
+    observed = np.array([counts[g].sum() for g in groups])
+    assert float(((observed - expected) ** 2 / expected).sum()) < 16.3  # chi-square, 3 dof, p = 0.001

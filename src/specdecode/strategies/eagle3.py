@@ -21,8 +21,11 @@ of that depth in one head pass, each giving its `tree_topk` best children; then 
 `tree_tokens` best nodes overall are kept (a child never outscores its parent, so the kept
 nodes form a tree). Depth is capped by n_max and the step's budget; p_min does not cut trees
 (the node budget does), and a tree shallower than n_min is dropped. Tree nodes are scratch
-in the head's cache (`HeadTree`), dropped after each draft. Trees are deterministic: verified
-as point masses.
+in the head's cache (`HeadTree`), dropped after each draft. For rejection verification the
+children are drawn without replacement from the head's sampling distribution, each reporting
+the distribution it was drawn from; the j-th drawn child is scored with the head's j-th
+largest probability rather than with its own, so that whether a node is kept never depends on
+which token was drawn into it: that would bias what verification sees and lose exactness.
 """
 
 from __future__ import annotations
@@ -108,6 +111,7 @@ class Eagle3Strategy:
         parents: list[int] = []
         depths: list[int] = []
         scores: list[float] = []  # log of the path's score
+        rows: list[torch.Tensor] = []
         states = {-1: seed}  # expanded node -> pre-norm state of its pair (-1: the seed pair)
         slots = {-1: -1}  # expanded node -> its index in the HeadTree (-1: none, the true pairs)
         expanded, expanded_logits = [-1], logits[None]
@@ -116,12 +120,16 @@ class Eagle3Strategy:
             for depth in range(1, depth_max + 1):
                 level = len(tokens)
                 for parent, row in zip(expanded, expanded_logits, strict=True):
-                    children, child_scores = self._children(row, topk)
+                    history = context  # what penalties see: the path too when sampling
+                    if self.sampler is not None:
+                        history = [*context, *self._path(parent, tokens, parents)]
+                    children, child_scores, child_rows = self._children(row, history, topk)
                     base = scores[parent] if parent >= 0 else 0.0
                     tokens += children
                     parents += [parent] * len(children)
                     depths += [depth] * len(children)
                     scores += [base + score for score in child_scores]
+                    rows += child_rows
                 if depth == depth_max:
                     break
                 best = sorted(range(level, len(tokens)), key=lambda i: (-scores[i], i))[:topk]
@@ -147,12 +155,36 @@ class Eagle3Strategy:
         index = {old: new for new, old in enumerate(kept)}
         return Draft(
             [tokens[i] for i in kept],
+            torch.stack([rows[i] for i in kept]) if rows else None,
             parents=[index.get(parents[i], -1) for i in kept],
         )
 
-    def _children(self, logits: torch.Tensor, k: int) -> tuple[list[int], list[float]]:
-        """The k best children of a node with logits [V]: their tokens and log-probabilities."""
-        top = torch.topk(
-            torch.log_softmax(logits.to(torch.float64), dim=-1), min(k, self.head.config.draft_vocab_size)
-        )
-        return top.indices.tolist(), top.values.tolist()
+    def _children(
+        self, logits: torch.Tensor, context: list[int], k: int
+    ) -> tuple[list[int], list[float], list[torch.Tensor]]:
+        """Up to k children of a node with logits [V] after `context`: their tokens, the logs of
+        their score factors and (rejection) the distributions they were drawn from. The j-th
+        child's factor is the head's j-th largest probability: its own for the top k, and for
+        drawn children a factor that does not depend on which token was drawn."""
+        log_probs = torch.log_softmax(logits.to(torch.float64), dim=-1)
+        if self.sampler is None:
+            top = torch.topk(log_probs, min(k, self.head.config.draft_vocab_size))
+            return top.indices.tolist(), top.values.tolist(), []
+        remaining = distribution(logits, self.sampler.params, context)
+        count = min(k, int(torch.count_nonzero(remaining)))
+        tokens: list[int] = []
+        rows: list[torch.Tensor] = []
+        for _ in range(count):  # without replacement: each draw from what the earlier ones left
+            rows.append(remaining / remaining.sum())
+            tokens.append(self.sampler.draw(rows[-1]))
+            remaining[tokens[-1]] = 0.0
+        return tokens, torch.topk(log_probs, count).values.tolist(), rows
+
+    @staticmethod
+    def _path(node: int, tokens: list[int], parents: list[int]) -> list[int]:
+        """The tokens from the root down to `node` (-1: none)."""
+        path: list[int] = []
+        while node >= 0:
+            path.append(tokens[node])
+            node = parents[node]
+        return path[::-1]
