@@ -133,7 +133,6 @@ def test_tree_drafts_are_trees_within_their_budgets(zoo, tree_tokens, topk, n_ma
         assert not draft.is_chain and draft.probs is None and 0 < len(draft.tokens) <= tree_tokens
         assert all(-1 <= p < i for i, p in enumerate(draft.parents))  # parents first: ancestor-closed
         assert draft.depth <= min(n_max, budget, tree_tokens)
-        assert draft.depths() == sorted(draft.depths())  # by depth
         for siblings in children(draft).values():
             assert len({draft.tokens[i] for i in siblings}) == len(siblings) <= topk
         depths.append(draft.depth)
@@ -200,7 +199,9 @@ def test_the_best_scored_nodes_are_kept(zoo, tree_tokens, topk, depth):
         draft = strategy.draft(ids[:-1], ids[-1], 16)
         scores = reference_tree(LinearHead(strategy, ids), topk, depth)
         best = sorted(scores, key=scores.__getitem__, reverse=True)[:tree_tokens]
-        assert sorted(paths(draft)) == sorted(best)
+        assert paths(draft) == best  # best first
+        for size in range(1, tree_tokens):  # so a cut tree is the best tree of its size
+            assert paths(draft.truncated(depth, size)) == best[:size]
         kept = [scores[path] for path in paths(draft)]
         others = [score for path, score in scores.items() if path not in set(paths(draft))]
         assert min(kept) >= max(others, default=-np.inf)

@@ -18,14 +18,15 @@ Trees (`tree_tokens` > 0): an EAGLE-2 dynamic tree (Li et al., 2024, arXiv 2406.
 node's score is the product of the head's probabilities along its path (its calibrated
 confidence that the target accepts the path). Each depth expands the `tree_topk` best nodes
 of that depth in one head pass, each giving its `tree_topk` best children; then the
-`tree_tokens` best nodes overall are kept (a child never outscores its parent, so the kept
-nodes form a tree). Depth is capped by n_max and the step's budget; p_min does not cut trees
-(the node budget does), and a tree shallower than n_min is dropped. Tree nodes are scratch
-in the head's cache (`HeadTree`), dropped after each draft. For rejection verification the
-children are drawn without replacement from the head's sampling distribution, each reporting
-the distribution it was drawn from; the j-th drawn child is scored with the head's j-th
-largest probability rather than with its own, so that whether a node is kept never depends on
-which token was drawn into it: that would bias what verification sees and lose exactness.
+`tree_tokens` best nodes overall are kept, best first (a child never outscores its parent, so
+they form a tree, and so does every prefix of them: `Draft.truncated` keeps the best). Depth
+is capped by n_max and the step's budget; p_min does not cut trees (the node budget does),
+and a tree shallower than n_min is dropped. Tree nodes are scratch in the head's cache
+(`HeadTree`), dropped after each draft. For rejection verification the children are drawn
+without replacement from the head's sampling distribution, each reporting the distribution
+it was drawn from; the j-th drawn child is scored with the head's j-th largest probability
+rather than with its own, so that whether a node is kept never depends on which token was
+drawn into it: that would bias what verification sees and lose exactness.
 """
 
 from __future__ import annotations
@@ -147,10 +148,9 @@ class Eagle3Strategy:
                 expanded_logits = self.head.target_logits(hs)  # [T, V]
         finally:
             tree.drop()
-        # the best `budget` nodes (a parent before its children on ties), parents first
-        best = sorted(range(len(tokens)), key=lambda i: (-scores[i], depths[i], i))[:budget]
-        kept = sorted(best, key=lambda i: (depths[i], -scores[i], i))
-        if not kept or depths[kept[-1]] < self.n_min:
+        # best first (a parent before its children on ties): every prefix is the best tree of its size
+        kept = sorted(range(len(tokens)), key=lambda i: (-scores[i], depths[i], i))[:budget]
+        if not kept or max(depths[i] for i in kept) < self.n_min:
             return Draft()
         index = {old: new for new, old in enumerate(kept)}
         return Draft(
