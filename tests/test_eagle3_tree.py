@@ -21,8 +21,9 @@ from specdecode.sampling import distribution
 from specdecode.strategies.base import Draft
 from specdecode.strategies.eagle3 import Eagle3Strategy
 
-# wide sampling (no truncation): siblings are drawn from the whole draft vocabulary
-WIDE = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
+# wide sampling (no truncation): siblings are drawn from the whole draft vocabulary; the
+# penalty makes each node's distribution depend on the path above it
+WIDE = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.5)
 TIGHT = {"rtol": 0, "atol": 1e-12}
 
 
