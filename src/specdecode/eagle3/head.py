@@ -10,6 +10,10 @@ The pair at position p is (token at p+1, g at p): target features of position p 
 token that followed it, predicting the token after that. Drafting further than the target
 has gone feeds h back as the next g (EAGLE's "own features"). `d2t` maps draft-vocabulary
 indices to target ids (absolute ids here; the files store offsets, see `checkpoint`).
+
+Token trees (EAGLE-2 drafting) put scratch nodes after the cached true pairs (`HeadTree`):
+a node at depth d sits at position n + d - 1, like the d-th pair of a chain, and attends to
+the true pairs, its ancestors and itself, so each branch computes what a chain along it would.
 """
 
 from __future__ import annotations
@@ -163,6 +167,40 @@ class HeadCache:
         self.n = min(self.n, max(0, n))
 
 
+class HeadTree:
+    """Scratch token-tree nodes in a HeadCache, after its true pairs 0..base-1.
+
+    Node i takes cache slot base + i and position base + depth_i - 1, and sees the true pairs,
+    its ancestors and itself: never its siblings or other branches. drop() gives the cache back
+    as it was, so the true pairs are reused by the next draft and the nodes are not.
+    """
+
+    def __init__(self, cache: HeadCache) -> None:
+        self.cache = cache
+        self.base = cache.n
+        self.paths: list[list[int]] = []  # node i: its ancestors' indices, root first, then i
+
+    def add(self, parents: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Register nodes below `parents` (earlier nodes, or -1 for children of the true pairs);
+        return their positions [T] and what they see [T, base + nodes so far] (bool)."""
+        first = len(self.paths)
+        for parent in parents:
+            assert -1 <= parent < first, "a parent must be added before its children"
+            self.paths.append([*(self.paths[parent] if parent >= 0 else []), len(self.paths)])
+        new = self.paths[first:]
+        positions = torch.tensor([self.base + len(path) - 1 for path in new], device=device)
+        visible = torch.zeros(len(new), self.base + len(self.paths), dtype=torch.bool, device=device)
+        visible[:, : self.base] = True
+        rows = [t for t, path in enumerate(new) for _ in path]
+        cols = [self.base + node for path in new for node in path]
+        visible[rows, cols] = True
+        return positions, visible
+
+    def drop(self) -> None:
+        self.cache.truncate(self.base)
+        self.paths = []
+
+
 class Eagle3Head(nn.Module):
     def __init__(self, config: Eagle3Config, embeddings: torch.Tensor | None = None) -> None:
         """embeddings: the target's token embeddings [V, H], used (not trained, not saved) when
@@ -196,10 +234,11 @@ class Eagle3Head(nn.Module):
         return self.lm_head(self.norm(h))
 
     def target_logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Pre-norm state [H] -> logits [V] over the target's vocabulary, -inf outside the draft's."""
+        """Pre-norm states [..., H] -> logits [..., V] over the target's vocabulary, -inf outside
+        the draft's."""
         draft = self.logits(h)
-        full = draft.new_full((self.config.vocab_size,), float("-inf"))
-        full[self.d2t] = draft
+        full = draft.new_full((*draft.shape[:-1], self.config.vocab_size), float("-inf"))
+        full[..., self.d2t] = draft
         return full
 
     def step(self, tokens: list[int], g: torch.Tensor, start: int, cache: HeadCache) -> torch.Tensor:
@@ -217,6 +256,25 @@ class Eagle3Head(nn.Module):
             mask = torch.arange(keys.shape[2], device=device)[None] <= positions[:, None]  # [T, S]
             return F.scaled_dot_product_attention(
                 q, repeat_kv(keys, groups), repeat_kv(values, groups), attn_mask=mask
+            )
+
+        return self.layer(ids, g[None].to(self.fc.weight.dtype), positions, attend)[0]
+
+    def tree_step(
+        self, tokens: list[int], g: torch.Tensor, parents: list[int], tree: HeadTree
+    ) -> torch.Tensor:
+        """Run tree nodes (tokens, g [T, H]) below `parents` (see `HeadTree.add`) in one pass;
+        returns their pre-norm states [T, H]."""
+        assert tree.cache.n == tree.base + len(tree.paths), "the tree must own the cache's tail"
+        device = self.fc.weight.device
+        ids = torch.tensor([tokens], dtype=torch.long, device=device)
+        positions, visible = tree.add(parents, device)
+        groups = self.config.num_attention_heads // self.config.num_key_value_heads
+
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            keys, values = tree.cache.append(k, v)
+            return F.scaled_dot_product_attention(
+                q, repeat_kv(keys, groups), repeat_kv(values, groups), attn_mask=visible
             )
 
         return self.layer(ids, g[None].to(self.fc.weight.dtype), positions, attend)[0]

@@ -13,17 +13,32 @@ the draft model does), so after a verification only the newly verified pairs are
 one batch; the pairs drafted from the head's own states are always recomputed from the
 target's features. No accept() bookkeeping is needed, and a step drafted by another
 strategy of the chain simply leaves more pairs to catch up with.
+
+Trees (`tree_tokens` > 0): an EAGLE-2 dynamic tree (Li et al., 2024, arXiv 2406.16858). A
+node's score is the product of the head's probabilities along its path (its calibrated
+confidence that the target accepts the path). Each depth expands the `tree_topk` best nodes
+of that depth in one head pass, each giving its `tree_topk` best children; then the
+`tree_tokens` best nodes overall are kept, best first (a child never outscores its parent, so
+they form a tree, and so does every prefix of them: `Draft.truncated` keeps the best). Depth
+is capped by n_max and the step's budget; p_min does not cut trees (the node budget does),
+and a tree shallower than n_min is dropped. Tree nodes are scratch in the head's cache
+(`HeadTree`), dropped after each draft. For rejection verification the children are drawn
+without replacement from the head's sampling distribution, each reporting the distribution
+it was drawn from; the j-th drawn child is scored with the head's j-th largest probability
+rather than with its own, so that whether a node is kept never depends on which token was
+drawn into it: that would bias what verification sees and lose exactness.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import ClassVar
 
 import torch
 
 from specdecode.backends import Backend, common_prefix, hidden_state_source
-from specdecode.eagle3.head import Eagle3Head, HeadCache
+from specdecode.eagle3.head import Eagle3Head, HeadCache, HeadTree
 from specdecode.sampling import Sampler, distribution
 from specdecode.strategies.base import Draft
 from specdecode.strategies.draft_model import DraftModelConfig, top1_confidence
@@ -67,6 +82,8 @@ class Eagle3Strategy:
         h = self.head.step(context[keep + 1 :], g, keep, self.cache)[-1]  # [H]
         self._context = context
         logits = self.head.target_logits(h)  # [V]
+        if self.config.tree_tokens > 0:
+            return self._draft_tree(h, logits, context, n_max)
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
         while len(tokens) < n_max and top1_confidence(logits) >= self.config.p_min:
@@ -85,3 +102,89 @@ class Eagle3Strategy:
             return int(torch.argmax(logits)), None
         probs = distribution(logits, self.sampler.params, context)  # [V], zero outside the draft vocab
         return self.sampler.draw(probs), probs
+
+    def _draft_tree(
+        self, seed: torch.Tensor, logits: torch.Tensor, context: list[int], depth_max: int
+    ) -> Draft:
+        """The EAGLE-2 tree after the seed pair (state `seed`, its logits [V]), at most depth_max deep."""
+        budget, topk = self.config.tree_tokens, self.config.tree_topk
+        tokens: list[int] = []
+        parents: list[int] = []
+        depths: list[int] = []
+        scores: list[float] = []  # log of the path's score
+        rows: list[torch.Tensor] = []
+        states = {-1: seed}  # expanded node -> pre-norm state of its pair (-1: the seed pair)
+        slots = {-1: -1}  # expanded node -> its index in the HeadTree (-1: none, the true pairs)
+        expanded, expanded_logits = [-1], logits[None]
+        tree = HeadTree(self.cache)
+        try:
+            for depth in range(1, depth_max + 1):
+                level = len(tokens)
+                for parent, row in zip(expanded, expanded_logits, strict=True):
+                    history = context  # what penalties see: the path too when sampling
+                    if self.sampler is not None:
+                        history = [*context, *self._path(parent, tokens, parents)]
+                    children, child_scores, child_rows = self._children(row, history, topk)
+                    base = scores[parent] if parent >= 0 else 0.0
+                    tokens += children
+                    parents += [parent] * len(children)
+                    depths += [depth] * len(children)
+                    scores += [base + score for score in child_scores]
+                    rows += child_rows
+                if depth == depth_max:
+                    break
+                best = sorted(range(level, len(tokens)), key=lambda i: (-scores[i], i))[:topk]
+                # descendants of a node that `budget` nodes score at least as high as would not be kept
+                floor = sorted(scores, reverse=True)[budget - 1] if len(scores) >= budget else -math.inf
+                expanded = [i for i in best if scores[i] > floor]
+                if not expanded:
+                    break
+                g = torch.stack([states[parents[i]] for i in expanded])
+                hs = self.head.tree_step(
+                    [tokens[i] for i in expanded], g, [slots[parents[i]] for i in expanded], tree
+                )
+                for i, h in zip(expanded, hs, strict=True):
+                    states[i], slots[i] = h, len(slots) - 1
+                expanded_logits = self.head.target_logits(hs)  # [T, V]
+        finally:
+            tree.drop()
+        # best first (a parent before its children on ties): every prefix is the best tree of its size
+        kept = sorted(range(len(tokens)), key=lambda i: (-scores[i], depths[i], i))[:budget]
+        if not kept or max(depths[i] for i in kept) < self.n_min:
+            return Draft()
+        index = {old: new for new, old in enumerate(kept)}
+        return Draft(
+            [tokens[i] for i in kept],
+            torch.stack([rows[i] for i in kept]) if rows else None,
+            parents=[index.get(parents[i], -1) for i in kept],
+        )
+
+    def _children(
+        self, logits: torch.Tensor, context: list[int], k: int
+    ) -> tuple[list[int], list[float], list[torch.Tensor]]:
+        """Up to k children of a node with logits [V] after `context`: their tokens, the logs of
+        their score factors and (rejection) the distributions they were drawn from. The j-th
+        child's factor is the head's j-th largest probability: its own for the top k, and for
+        drawn children a factor that does not depend on which token was drawn."""
+        log_probs = torch.log_softmax(logits.to(torch.float64), dim=-1)
+        if self.sampler is None:
+            top = torch.topk(log_probs, min(k, self.head.config.draft_vocab_size))
+            return top.indices.tolist(), top.values.tolist(), []
+        remaining = distribution(logits, self.sampler.params, context)
+        count = min(k, int(torch.count_nonzero(remaining)))
+        tokens: list[int] = []
+        rows: list[torch.Tensor] = []
+        for _ in range(count):  # without replacement: each draw from what the earlier ones left
+            rows.append(remaining / remaining.sum())
+            tokens.append(self.sampler.draw(rows[-1]))
+            remaining[tokens[-1]] = 0.0
+        return tokens, torch.topk(log_probs, count).values.tolist(), rows
+
+    @staticmethod
+    def _path(node: int, tokens: list[int], parents: list[int]) -> list[int]:
+        """The tokens from the root down to `node` (-1: none)."""
+        path: list[int] = []
+        while node >= 0:
+            path.append(tokens[node])
+            node = parents[node]
+        return path[::-1]
