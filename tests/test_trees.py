@@ -13,6 +13,7 @@ is still exactly plain generation's (greedy, seeded `match`) or the target's dis
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 from collections import Counter
@@ -20,7 +21,7 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
-from conftest import VOCAB_SIZE, TargetSpec, cached_tokenizer, chi_square_pvalue
+from conftest import VOCAB_SIZE, TargetSpec, cached_tokenizer, chi_square_pvalue, eagle3_head, eagle3_target
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import LlamaForCausalLM
@@ -547,3 +548,64 @@ def test_cli_draft_tree_reports_tree_stats(saved_model_dir, capsys):
     stats = json.loads(capsys.readouterr().out)["stats"]
     assert stats["totals"]["n_tree_drafts"] > 0 and stats["mean_tree_size"] > stats["mean_depth"]
     assert main(["generate", "-m", str(saved_model_dir), "-p", "x", "--draft-n-parallel", "0"]) == 2
+
+
+@functools.cache
+def eagle3_models(kind: str) -> tuple[LlamaForCausalLM, LlamaForCausalLM]:
+    """The EAGLE-3 test target in this backend's dtype, and a perturbed copy as a draft."""
+    target = eagle3_target()
+    if kind.endswith("bfloat16"):
+        target = copy.deepcopy(target).to(torch.bfloat16)
+    return target, perturbed_copy(target, 0.05)
+
+
+@pytest.mark.parametrize("kind", BACKENDS)
+@settings(max_examples=10, **SETTINGS)
+@given(
+    tree_tokens=st.integers(1, 24),
+    topk=st.integers(1, 4),
+    n_max=st.integers(1, 6),
+    with_draft_tree=st.booleans(),
+    temperature=st.sampled_from([0.0, 0.0, 0.8]),
+    seed=st.integers(0, 1000),
+    n_predict=st.integers(1, 40),
+)
+def test_eagle3_trees_give_plain_generations_output(
+    exactness_log, kind, tree_tokens, topk, n_max, with_draft_tree, temperature, seed, n_predict
+):
+    """EAGLE-2 dynamic trees of the head, alone or behind the draft model's p_split trees in a
+    chain (the head then catches up on the target's hidden rows of committed tree paths)."""
+    cls = HFBackend if kind == "hf-float64" else NativeBackend
+    target, draft = eagle3_models(kind)
+    sampling = SamplingParams(temperature=temperature, seed=seed)
+    config = GenerationConfig(n_predict=n_predict, ignore_eos=True)
+    expected = Pipeline(cls(target, cached_tokenizer())).generate(PROMPT, sampling, config)
+    draft_config = DraftModelConfig(
+        n_max=n_max, p_min=0.5, tree_tokens=tree_tokens, tree_topk=topk, n_parallel=3, p_split=0.05
+    )
+    pipeline = Pipeline(
+        cls(target, cached_tokenizer()),
+        cls(draft, cached_tokenizer()) if with_draft_tree else None,
+        eagle3=eagle3_head(),
+        draft_config=draft_config,
+    )
+    result = pipeline.generate(PROMPT, sampling, config)
+    assert result.tokens == expected.tokens
+    mode = "greedy" if temperature == 0 else "match"
+    exactness_log.record(f"tree/eagle3-{mode}", kind, result.stats, result.stats.stop_reason)
+
+
+def test_eagle3_trees_accept_more_per_pass_than_its_chain():
+    config = GenerationConfig(n_predict=48, ignore_eos=True)
+    target, _ = eagle3_models("native-float64")
+    per_pass = {}
+    for name, tree_tokens in (("chain", 0), ("tree", 12)):
+        draft_config = DraftModelConfig(n_max=5, p_min=0.0, tree_tokens=tree_tokens, tree_topk=3)
+        pipeline = Pipeline(
+            NativeBackend(target, cached_tokenizer()), eagle3=eagle3_head(), draft_config=draft_config
+        )
+        stats = pipeline.generate(PROMPT, GREEDY, config).stats
+        per_pass[name] = stats.tokens_per_pass
+        if tree_tokens:
+            assert stats.totals.n_tree_drafts > 0
+    assert per_pass["tree"] > per_pass["chain"]

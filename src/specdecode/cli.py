@@ -120,7 +120,8 @@ def add_spec_args(parser: argparse.ArgumentParser) -> None:
         "--draft-tree-tokens",
         type=int,
         default=0,
-        help="EAGLE-3 dynamic tree: nodes kept per draft (0: a chain)",
+        help="EAGLE-3 dynamic tree: nodes per draft (0: a chain); --draft-max is then its depth, "
+        "and --draft-p-min does not apply",
     )
     group.add_argument(
         "--draft-tree-topk",
