@@ -71,7 +71,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         "--draft-p-split", type=float, default=0.1, help="draft-tree systems: probability that opens a branch"
     )
     group.add_argument(
-        "--draft-tree-tokens", type=int, default=16, help="eagle3-tree systems: nodes per dynamic tree (16)"
+        "--draft-tree-tokens", type=int, default=8, help="eagle3-tree systems: nodes per dynamic tree (8)"
     )
     group.add_argument(
         "--draft-tree-topk", type=int, default=4, help="eagle3-tree systems: nodes expanded per depth (4)"
