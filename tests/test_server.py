@@ -22,19 +22,18 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-import uvicorn
 from conftest import TargetSpec, cached_tokenizer, draft_model, target_model
 
 import specdecode
-from specdecode import DraftModelConfig, GenerationConfig, HFBackend, Pipeline, SamplingParams
+from specdecode import Chunk, DraftModelConfig, GenerationConfig, HFBackend, Pipeline, SamplingParams
 from specdecode.cli import main
 from specdecode.loadtest import percentile
 from specdecode.server import ServerSettings, create_app
 from specdecode.server.chat import render
 from specdecode.server.metrics import Metrics
 from specdecode.server.schemas import Message
-from specdecode.server.serve import listen
-from specdecode.server.slots import Job, SlotPool
+from specdecode.server.serve import Server, listen
+from specdecode.server.slots import Closing, Job, SlotPool
 from specdecode.testing import save_model
 
 SPEC = TargetSpec(seed=5)
@@ -70,12 +69,15 @@ def alone(prompt: str, n: int, sampling: SamplingParams = GREEDY) -> specdecode.
 
 
 @contextmanager
-def serving(target: type[HFBackend] = HFBackend, **settings) -> Iterator[str]:
-    """A server on a free loopback port for the duration of the block; yields its base URL."""
+def running(
+    target: type[HFBackend] = HFBackend, pipeline: Pipeline | None = None, **settings
+) -> Iterator[tuple[str, Server]]:
+    """A server on a free loopback port for the duration of the block: its base URL, and the
+    server, whose `should_exit` starts the shutdown as SIGTERM does."""
     options = {"model_id": MODEL_ID, "max_tokens": MAX_TOKENS_LIMIT, **settings}
-    app = create_app(make_pipeline(target=target), ServerSettings(**options))
+    app = create_app(pipeline or make_pipeline(target=target), ServerSettings(**options))
     sock = listen("127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    server = Server(app, log_level="warning")
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -83,11 +85,18 @@ def serving(target: type[HFBackend] = HFBackend, **settings) -> Iterator[str]:
         assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
         time.sleep(0.02)
     try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}", server
     finally:
         server.should_exit = True
         thread.join(30)
         sock.close()
+
+
+@contextmanager
+def serving(target: type[HFBackend] = HFBackend, **settings) -> Iterator[str]:
+    """A server on a free loopback port for the duration of the block; yields its base URL."""
+    with running(target, **settings) as (base, _):
+        yield base
 
 
 @pytest.fixture(scope="module")
@@ -123,8 +132,9 @@ def test_greedy_completion_equals_pipeline_generate(client):
     assert reply.usage.prompt_tokens == expected.stats.n_prompt
     assert reply.usage.completion_tokens == len(expected.tokens)
     assert reply.choices[0].finish_reason == ("length" if len(expected.tokens) == 40 else "stop")
+    assert reply.system_fingerprint.startswith("fp_")
     timings = reply.model_extra["timings"]
-    assert timings["prompt_n"] == expected.stats.n_prompt
+    assert timings["prompt_n"] + timings["cache_n"] == expected.stats.n_prompt
     assert timings["predicted_n"] == len(expected.tokens)
     assert timings["draft_n"] == expected.stats.totals.n_drafted > 0
     assert timings["draft_n_accepted"] == expected.stats.totals.n_accepted
@@ -154,7 +164,7 @@ def test_token_id_prompt_and_missing_model_are_accepted(url):
     assert reply.json()["model"] == MODEL_ID
 
 
-def test_stream_equals_whole_answer_and_ends_with_usage(client, url):
+def test_stream_equals_whole_answer_and_ends_with_timings(client, url):
     expected = alone(PROMPTS[3], 40)
     chunks = list(
         client.completions.create(
@@ -165,15 +175,48 @@ def test_stream_equals_whole_answer_and_ends_with_usage(client, url):
     assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
     last = chunks[-1]
     assert last.choices[0].finish_reason in ("stop", "length")
-    assert last.usage.completion_tokens == len(expected.tokens)
     assert last.model_extra["timings"]["draft_n"] == expected.stats.totals.n_drafted
-    assert len({c.id for c in chunks}) == 1
+    assert all(c.usage is None for c in chunks)  # usage only when stream_options asks
+    assert len({c.id for c in chunks}) == 1 and len({c.system_fingerprint for c in chunks}) == 1
     body = {"prompt": PROMPTS[3], "max_tokens": 8, "stream": True, "temperature": 0}
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
         assert response.headers["content-type"].startswith("text/event-stream")
         events = sse_events(response)
     assert events[-1] == "[DONE]"
     assert json.loads(events[-2])["choices"][0]["finish_reason"] is not None
+    assert not any("usage" in json.loads(event) for event in events[:-1])
+
+
+def test_include_usage_adds_openais_usage_chunk(client, url):
+    expected = alone(PROMPTS[3], 24)
+    chunks = list(
+        client.completions.create(
+            model=MODEL_ID,
+            prompt=PROMPTS[3],
+            max_tokens=24,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    *text_chunks, usage_chunk = chunks
+    assert usage_chunk.choices == [] and usage_chunk.usage.completion_tokens == len(expected.tokens)
+    assert usage_chunk.usage.prompt_tokens == expected.stats.n_prompt
+    assert all(c.usage is None for c in text_chunks)
+    assert text_chunks[-1].choices[0].finish_reason in ("stop", "length")
+    assert "".join(c.choices[0].text for c in text_chunks) == expected.text
+    body = {"prompt": PROMPTS[3], "max_tokens": 4, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
+        events = [json.loads(e) for e in sse_events(response)[:-1]]
+    assert all(e["usage"] is None for e in events[:-1])  # present, and null, until the last
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True}
+    with httpx.stream(
+        "POST", f"{url}/v1/chat/completions", json={**chat, "stream_options": {}}, timeout=60
+    ) as response:
+        events = [json.loads(e) for e in sse_events(response)[:-1]]
+    assert not any("usage" in e for e in events)  # {} leaves include_usage off
+    refused = httpx.post(f"{url}/v1/completions", json={**body, "stream": False})
+    check_refusal(refused, 400, "stream_options", None)
 
 
 def test_chat_uses_the_default_template_when_the_tokenizer_has_none(client):
@@ -185,12 +228,16 @@ def test_chat_uses_the_default_template_when_the_tokenizer_has_none(client):
     reply = client.chat.completions.create(model=MODEL_ID, messages=as_dicts, max_tokens=32, temperature=0)
     assert reply.choices[0].message.role == "assistant"
     assert reply.choices[0].message.content == expected.text
+    assert reply.choices[0].message.refusal is None and "refusal" in reply.choices[0].message.model_fields_set
+    assert reply.system_fingerprint.startswith("fp_")
     assert reply.usage.prompt_tokens == expected.stats.n_prompt
     stream = client.chat.completions.create(
         model=MODEL_ID, messages=as_dicts, max_tokens=32, temperature=0, stream=True
     )
     chunks = list(stream)
-    assert chunks[0].choices[0].delta.role == "assistant"
+    opening = chunks[0].choices[0].delta
+    assert (opening.role, opening.content, opening.refusal) == ("assistant", "", None)  # role only
+    assert all(c.choices[0].delta.role is None for c in chunks[1:])
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected.text
     assert chunks[-1].choices[0].finish_reason in ("stop", "length")
 
@@ -243,28 +290,94 @@ BAD_COMPLETIONS = {
         "max_tokens",
         None,
     ),
-    "n 2": ({"prompt": "x", "n": 2}, 400, "n", "literal_error"),
+    "n 2": ({"prompt": "x", "n": 2}, 400, "n", "unsupported"),
+    "logprobs": ({"prompt": "x", "logprobs": 2}, 400, "logprobs", "unsupported"),
     "top_p 0": ({"prompt": "x", "top_p": 0}, 400, "top_p", "greater_than"),
     "negative seed": ({"prompt": "x", "seed": -1}, 400, "seed", "greater_than_equal"),
     "five stop strings": ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "too_long"),
     "infinite temperature": (b'{"prompt": "x", "temperature": 1e999}', 400, None, None),
+    "JSON nested 1000 deep": (b'{"prompt": ' + b"[" * 1000 + b"]" * 1000 + b"}", 400, None, "json_invalid"),
+    "JSON nested 900 deep": (b'{"prompt": ' + b"[" * 900 + b"]" * 900 + b"}", 400, "prompt", None),
+    "lone surrogate in the prompt": (b'{"prompt": "def \\ud800"}', 400, "prompt", "value_error"),
+    "lone surrogate, streamed": (b'{"prompt": "\\udfff", "stream": true}', 400, "prompt", "value_error"),
+    "lone surrogate in a stop string": (b'{"prompt": "x", "stop": ["\\ud800"]}', 400, "stop", "value_error"),
+    "text longer than the context can hold": (
+        {"prompt": "x" * 3_900_000},
+        400,
+        "prompt",
+        "context_length_exceeded",
+    ),
+    "speculative.n_max above the server's": ({"prompt": "x", "speculative.n_max": 5}, 400, "speculative.n_max", None),
+    "speculative.n_min above n_max": (
+        {"prompt": "x", "speculative.n_max": 2, "speculative.n_min": 3},
+        400,
+        "speculative.n_min",
+        None,
+    ),
+    "speculative.p_min past 1": ({"prompt": "x", "speculative.p_min": 1.5}, 400, "speculative.p_min", None),
 }
 BAD_CHATS = {
     "no messages": ({"messages": []}, 400, "messages", "too_short"),
     "unknown role": ({"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages", "literal_error"),
     "content of the wrong type": ({"messages": [{"role": "user", "content": 3}]}, 400, "messages", None),
     "unknown model": ({"messages": [{"role": "user", "content": "hi"}], "model": "x"}, 404, "model", None),
+    "lone surrogate in content": (
+        b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}',
+        400,
+        "messages",
+        "value_error",
+    ),
+    "lone surrogate in a text part, streamed": (
+        b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udbff"}]}], "stream": true}',
+        400,
+        "messages",
+        "value_error",
+    ),
+    "tools": ({"messages": [{"role": "user", "content": "hi"}], "tools": [{}]}, 400, "tools", "unsupported"),
+    "messages longer than the context can hold": (
+        {"messages": [{"role": "user", "content": "y" * 3_000_000}]},
+        400,
+        "messages",
+        "context_length_exceeded",
+    ),
+}
+BAD_NATIVE = {
+    "n_predict 0": ({"prompt": "x", "n_predict": 0}, 400, "n_predict", None),
+    "n_predict -2": ({"prompt": "x", "n_predict": -2}, 400, "n_predict", None),
+    "seed -2": ({"prompt": "x", "seed": -2}, 400, "seed", "greater_than_equal"),
+    "n_probs": ({"prompt": "x", "n_probs": 3}, 400, "n_probs", "unsupported"),
+    "max_tokens (an OpenAI name)": ({"prompt": "x", "max_tokens": 3}, 400, "max_tokens", "extra_forbidden"),
+    "seventeen stop strings": ({"prompt": "x", "stop": ["s"] * 17}, 400, "stop", "too_long"),
+    "lone surrogate": (b'{"prompt": "\\ud800", "stream": true}', 400, "prompt", "value_error"),
+    "n_predict past the context": ({"prompt": LONG[:500], "n_predict": 100}, 400, "n_predict", "context_length_exceeded"),
+    "speculative.n_max 0": ({"prompt": "x", "speculative.n_max": 0}, 400, "speculative.n_max", None),
+}
+BAD_TOKENS = {
+    "/tokenize: lone surrogate": ("/tokenize", b'{"content": "\\ud800"}', 400, "content", "value_error"),
+    "/tokenize: no content": ("/tokenize", {"add_special": True}, 400, "content", "missing"),
+    "/tokenize: too long": ("/tokenize", {"content": "z" * 3_000_000}, 400, "content", "context_length_exceeded"),
+    "/detokenize: id past the vocabulary": ("/detokenize", {"tokens": [1, 320]}, 400, "tokens", None),
+    "/detokenize: negative id": ("/detokenize", {"tokens": [-1]}, 400, "tokens", None),
+}
+ERROR_TYPES = {  # llama-server's types where it has its own; OpenAI's otherwise
+    "context_length_exceeded": "exceed_context_size_error",
+    "unsupported": "not_supported_error",
+    "invalid_api_key": "authentication_error",
+    "shutting_down": "unavailable_error",
 }
 
 
 def check_refusal(response: httpx.Response, status: int, param: str | None, code: str | None) -> None:
     assert response.status_code == status, response.text
     error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"}
-    assert error["message"] and error["type"] == "invalid_request_error"
-    assert error["param"] == param
+    assert error["message"] and error["param"] == param
     if code is not None:
         assert error["code"] == code
+    assert error["type"] == ERROR_TYPES.get(error["code"], "invalid_request_error")
+    extra = {"n_ctx", "n_prompt_tokens"} if error["type"] == "exceed_context_size_error" else set()
+    assert {"message", "type", "param", "code"} <= set(error) <= {"message", "type", "param", "code", *extra}
+    if extra:
+        assert error["n_ctx"] == 512
 
 
 def post(url: str, path: str, body: dict | bytes) -> httpx.Response:
@@ -285,10 +398,25 @@ def test_bad_chat_requests_get_an_openai_error(url, case):
     check_refusal(post(url, "/v1/chat/completions", body), status, param, code)
 
 
+@pytest.mark.parametrize("case", BAD_NATIVE)
+def test_bad_native_completions_get_an_openai_error(url, case):
+    body, status, param, code = BAD_NATIVE[case]
+    check_refusal(post(url, "/completion", body), status, param, code)
+
+
+@pytest.mark.parametrize("case", BAD_TOKENS)
+def test_bad_tokenize_requests_get_an_openai_error(url, case):
+    path, body, status, param, code = BAD_TOKENS[case]
+    check_refusal(post(url, path, body), status, param, code)
+
+
 def test_refusals_of_size_route_and_method_and_the_server_keeps_serving(url, client):
     check_refusal(post(url, "/v1/completions", {"prompt": "x" * (5 << 20)}), 413, None, "request_too_large")
     check_refusal(httpx.get(f"{url}/v1/nothing"), 404, None, None)
-    check_refusal(httpx.get(f"{url}/v1/completions"), 405, None, None)
+    refused = httpx.get(f"{url}/v1/completions")
+    check_refusal(refused, 405, None, None)
+    assert refused.headers["allow"] == "POST"
+    assert httpx.post(f"{url}/v1/models").headers["allow"] == "GET"
     reply = client.completions.create(model=MODEL_ID, prompt=PROMPTS[11], max_tokens=5, temperature=0)
     assert reply.choices[0].text == alone(PROMPTS[11], 5).text
     assert metric(url, 'specdecode_requests_total{outcome="failed"}') == 0
@@ -352,23 +480,47 @@ def test_a_client_that_leaves_mid_stream_frees_its_slot():
 
 
 def test_slot_pool_queues_requests_beyond_its_slots():
-    """One slot, two jobs: the second waits until the first's iterator is closed."""
+    """One slot, two jobs: the second waits until the first's events are closed."""
     pool = SlotPool([make_pipeline(target=SlowBackend)], Metrics(["draft"]))
     prompt = make_pipeline().encode(PROMPTS[7])
     job = Job(prompt, GREEDY, GenerationConfig(n_predict=100))
 
     async def scenario() -> None:
-        first = pool.generate(job)
+        first = pool.start(await pool.acquire(), job).events()
         await anext(first)
         assert pool.busy == 1
-        second = pool.generate(job)
-        waiting = asyncio.ensure_future(anext(second))
+        waiting = asyncio.ensure_future(pool.acquire())
         await asyncio.sleep(0.2)
         assert not waiting.done() and pool.waiting == 1
         await first.aclose()
-        await asyncio.wait_for(waiting, 30)
+        second = await asyncio.wait_for(waiting, 30)
         assert pool.waiting == 0
-        await second.aclose()
+        pool.release(second)
+
+    asyncio.run(scenario())
+    pool.shutdown()
+
+
+def test_slot_pool_drain_refuses_waiters_and_cuts_runs_after_the_grace():
+    pool = SlotPool([make_pipeline(target=SlowBackend)], Metrics(["draft"]))
+    job = Job(make_pipeline().encode(PROMPTS[7]), GREEDY, GenerationConfig(n_predict=200))
+
+    async def scenario() -> None:
+        run = pool.start(await pool.acquire(), job)
+        events = run.events()
+        await anext(events)
+        waiting = asyncio.ensure_future(pool.acquire())
+        await asyncio.sleep(0.05)
+        started = time.monotonic()
+        await pool.drain(grace=0.3)
+        assert time.monotonic() - started >= 0.3
+        with pytest.raises(Closing):
+            await waiting
+        with pytest.raises(Closing):
+            await pool.acquire()
+        with pytest.raises(Closing):  # the text so far, then Closing instead of the Generation
+            async for event in events:
+                assert isinstance(event, Chunk)
 
     asyncio.run(scenario())
     pool.shutdown()
