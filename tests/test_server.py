@@ -8,8 +8,10 @@ server that mixed up requests, slots or caches would fail.
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -17,19 +19,29 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
 from conftest import TargetSpec, cached_tokenizer, draft_model, target_model
+from transformers import PreTrainedTokenizerBase
 
 import specdecode
-from specdecode import Chunk, DraftModelConfig, GenerationConfig, HFBackend, Pipeline, SamplingParams
+from specdecode import (
+    Chunk,
+    DraftModelConfig,
+    GenerationConfig,
+    HFBackend,
+    Pipeline,
+    SamplingParams,
+    SpecdecodeError,
+)
 from specdecode.cli import main
 from specdecode.loadtest import percentile
 from specdecode.server import ServerSettings, create_app
-from specdecode.server.chat import render
+from specdecode.server.chat import DEFAULT_TEMPLATE, render
 from specdecode.server.metrics import Metrics
 from specdecode.server.schemas import Message
 from specdecode.server.serve import Server, listen
@@ -53,19 +65,49 @@ class SlowBackend(HFBackend):
         return super().evaluate(ids, logits_rows)
 
 
-def make_pipeline(spec_types: list[str] | None = None, target: type[HFBackend] = HFBackend) -> Pipeline:
-    tokenizer = cached_tokenizer()
+class FailingBackend(HFBackend):
+    """A target whose passes after the prompt fail, with details a client must not see."""
+
+    def evaluate(self, ids, logits_rows=None):
+        if self.tokens:
+            raise RuntimeError("secret detail: /srv/private/weights")
+        return super().evaluate(ids, logits_rows)
+
+
+def make_pipeline(
+    spec_types: list[str] | None = None,
+    target: type[HFBackend] = HFBackend,
+    draft_config: DraftModelConfig = DRAFT_CONFIG,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+) -> Pipeline:
+    tokenizer = tokenizer or cached_tokenizer()
     return Pipeline(
         target(target_model(SPEC), tokenizer),
         HFBackend(draft_model(SPEC, 0.1), tokenizer),
         spec_types=spec_types,
-        draft_config=DRAFT_CONFIG,
+        draft_config=draft_config,
     )
 
 
-def alone(prompt: str, n: int, sampling: SamplingParams = GREEDY) -> specdecode.Result:
+def alone(
+    prompt: str, n: int, sampling: SamplingParams = GREEDY, draft_config: DraftModelConfig = DRAFT_CONFIG
+) -> specdecode.Result:
     """What the library gives for a request, on a pipeline no server touches."""
-    return make_pipeline().generate(prompt, sampling, GenerationConfig(n_predict=n))
+    return make_pipeline(draft_config=draft_config).generate(prompt, sampling, GenerationConfig(n_predict=n))
+
+
+def slow_tokenizer(seconds: float) -> PreTrainedTokenizerBase:
+    """A copy of the test tokenizer (and of its own copies) that takes `seconds` to tokenize,
+    as a text of megabytes does; sleeping lets other threads run, as the Rust tokenizer does."""
+    base = cached_tokenizer()
+
+    def tokenize(self, *args, **kwargs):
+        time.sleep(seconds)
+        return type(base).__call__(self, *args, **kwargs)
+
+    tokenizer = copy.deepcopy(base)
+    tokenizer.__class__ = type("SlowTokenizer", (type(base),), {"__call__": tokenize})
+    return tokenizer
 
 
 @contextmanager
@@ -261,6 +303,7 @@ def test_models_and_health(client, url):
 # --------------------------------------------------------------------------- refusals
 
 LONG = [5] * 600  # token ids: more than the 512-token context
+HUGE = "x" * 3_900_000  # characters: under the 4 MiB body limit, far past what the context holds
 BAD_COMPLETIONS = {
     "malformed JSON": (b'{"prompt": "x",', 400, None, "json_invalid"),
     "not UTF-8": (b"\xff\xfe", 400, None, "json_invalid"),
@@ -302,12 +345,17 @@ BAD_COMPLETIONS = {
     "lone surrogate, streamed": (b'{"prompt": "\\udfff", "stream": true}', 400, "prompt", "value_error"),
     "lone surrogate in a stop string": (b'{"prompt": "x", "stop": ["\\ud800"]}', 400, "stop", "value_error"),
     "text longer than the context can hold": (
-        {"prompt": "x" * 3_900_000},
+        {"prompt": HUGE},
         400,
         "prompt",
         "context_length_exceeded",
     ),
-    "speculative.n_max above the server's": ({"prompt": "x", "speculative.n_max": 5}, 400, "speculative.n_max", None),
+    "speculative.n_max above the server's": (
+        {"prompt": "x", "speculative.n_max": 5},
+        400,
+        "speculative.n_max",
+        None,
+    ),
     "speculative.n_min above n_max": (
         {"prompt": "x", "speculative.n_max": 2, "speculative.n_min": 3},
         400,
@@ -335,7 +383,7 @@ BAD_CHATS = {
     ),
     "tools": ({"messages": [{"role": "user", "content": "hi"}], "tools": [{}]}, 400, "tools", "unsupported"),
     "messages longer than the context can hold": (
-        {"messages": [{"role": "user", "content": "y" * 3_000_000}]},
+        {"messages": [{"role": "user", "content": HUGE}]},
         400,
         "messages",
         "context_length_exceeded",
@@ -349,13 +397,18 @@ BAD_NATIVE = {
     "max_tokens (an OpenAI name)": ({"prompt": "x", "max_tokens": 3}, 400, "max_tokens", "extra_forbidden"),
     "seventeen stop strings": ({"prompt": "x", "stop": ["s"] * 17}, 400, "stop", "too_long"),
     "lone surrogate": (b'{"prompt": "\\ud800", "stream": true}', 400, "prompt", "value_error"),
-    "n_predict past the context": ({"prompt": LONG[:500], "n_predict": 100}, 400, "n_predict", "context_length_exceeded"),
+    "n_predict past the context": (
+        {"prompt": LONG[:500], "n_predict": 100},
+        400,
+        "n_predict",
+        "context_length_exceeded",
+    ),
     "speculative.n_max 0": ({"prompt": "x", "speculative.n_max": 0}, 400, "speculative.n_max", None),
 }
 BAD_TOKENS = {
     "/tokenize: lone surrogate": ("/tokenize", b'{"content": "\\ud800"}', 400, "content", "value_error"),
     "/tokenize: no content": ("/tokenize", {"add_special": True}, 400, "content", "missing"),
-    "/tokenize: too long": ("/tokenize", {"content": "z" * 3_000_000}, 400, "content", "context_length_exceeded"),
+    "/tokenize: too long": ("/tokenize", {"content": HUGE}, 400, "content", "context_length_exceeded"),
     "/detokenize: id past the vocabulary": ("/detokenize", {"tokens": [1, 320]}, 400, "tokens", None),
     "/detokenize: negative id": ("/detokenize", {"tokens": [-1]}, 400, "tokens", None),
 }
@@ -456,7 +509,13 @@ def test_health_answers_while_every_slot_generates():
             next(lines)
             health = httpx.get(f"{base}/health", timeout=5).json()
             assert health["slots_processing"] == 1
+            (slot,) = httpx.get(f"{base}/slots", timeout=5).json()
+            assert slot["is_processing"] and slot["id"] == 0 and slot["id_task"] >= 0
+            assert slot["params"]["n_predict"] == 100 and slot["params"]["temperature"] == 0
+            assert slot["next_token"]["n_decoded"] >= 1
+            assert slot["next_token"]["n_remain"] == 100 - slot["next_token"]["n_decoded"]
             assert [line for line in lines if line][-1] == "data: [DONE]"
+        assert not httpx.get(f"{base}/slots", timeout=5).json()[0]["is_processing"]
 
 
 def test_a_client_that_leaves_mid_stream_frees_its_slot():
@@ -559,21 +618,48 @@ def test_metrics_move_with_each_request(client, url):
     assert metric(url, "process_resident_memory_bytes") > 1e6
 
 
+KEYED_PATHS = [
+    ("GET", "/v1/models"),
+    ("GET", "/models"),
+    ("GET", "/metrics"),
+    ("GET", "/props"),
+    ("GET", "/slots"),
+    ("GET", "/openapi.json"),
+    ("POST", "/v1/completions"),
+    ("POST", "/completions"),
+    ("POST", "/v1/chat/completions"),
+    ("POST", "/chat/completions"),
+    ("POST", "/completion"),
+    ("POST", "/tokenize"),
+    ("POST", "/detokenize"),
+    ("GET", "/no/such/path"),
+]
+
+
 def test_api_key_is_required_when_set():
     with serving(api_key="s3cret") as base:
-        for headers in ({}, {"Authorization": "Bearer wrong"}):
-            refused = httpx.get(f"{base}/v1/models", headers=headers)
-            assert refused.status_code == 401
-            assert refused.json()["error"]["code"] == "invalid_api_key"
-        refused = httpx.post(f"{base}/v1/completions", content=b"{not json")
-        assert refused.status_code == 401  # the key is checked before the body
-        assert httpx.get(f"{base}/metrics").status_code == 401
+        for method, path in KEYED_PATHS:
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+                refused = httpx.request(method, f"{base}{path}", headers=headers, content=b"{not json")
+                assert refused.status_code == 401, (path, headers)  # the key is checked before the body
+                check_refusal(refused, 401, None, "invalid_api_key")
+                assert refused.headers["www-authenticate"].startswith("Bearer")
         assert httpx.get(f"{base}/health").status_code == 200
+        for scheme in ("Bearer", "bearer", "BEARER"):  # auth schemes are case-insensitive
+            headers = {"Authorization": f"{scheme} s3cret"}
+            assert httpx.get(f"{base}/v1/models", headers=headers).status_code == 200
+        assert httpx.get(f"{base}/v1/models", headers={"Authorization": "Bearer S3CRET"}).status_code == 401
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=f"{base}/v1", api_key="wrong", max_retries=0).models.list()
         good = openai.OpenAI(base_url=f"{base}/v1", api_key="s3cret", max_retries=0)
         reply = good.completions.create(model=MODEL_ID, prompt=PROMPTS[10], max_tokens=6, temperature=0)
         assert reply.choices[0].text == alone(PROMPTS[10], 6).text
+
+
+@pytest.mark.parametrize("key", ["", " "])
+def test_an_empty_api_key_is_refused(key):
+    with pytest.raises(SpecdecodeError, match="API key is empty"):
+        ServerSettings(model_id=MODEL_ID, api_key=key)
 
 
 @pytest.fixture(scope="module")
@@ -603,9 +689,23 @@ def test_serve_command_prints_one_line_and_serves(saved_pair):
         assert "model pair + draft draft" in line and "strategies draft" in line
         base = line.split()[4]
         assert httpx.get(f"{base}/v1/models").json()["data"][0]["id"] == "pair"
+        assert httpx.get(f"{base}/props").json()["model_path"] == str(target)
     finally:
         process.terminate()
-        process.wait(30)
+        # uvicorn shuts down, then raises the signal again: the process reports how it ended.
+        assert process.wait(30) == -signal.SIGTERM
+    assert "Traceback" not in process.stderr.read()
+
+
+@pytest.mark.parametrize("how", ["flag", "environment"])
+def test_serve_command_refuses_an_empty_api_key(saved_pair, capsys, monkeypatch, how):
+    args = ["serve", "-m", str(saved_pair[0]), "--port", "0"]
+    if how == "flag":
+        args += ["--api-key", ""]
+    else:
+        monkeypatch.setenv("SPECDECODE_API_KEY", "")
+    assert main(args) == 2
+    assert capsys.readouterr().err.startswith("error: the API key is empty")
 
 
 def test_serve_command_refuses_a_port_in_use(saved_pair, capsys):
@@ -636,3 +736,256 @@ def test_percentile_is_nearest_rank():
     values = [float(v) for v in range(1, 101)]
     assert (percentile(values, 50), percentile(values, 99), percentile(values, 100)) == (50.0, 99.0, 100.0)
     assert percentile([3.0], 99) == 3.0
+
+
+# --------------------------------------------------------------------------- faults under hostile input
+
+
+def test_huge_prompts_are_refused_at_once_and_stall_no_one(url):
+    """Four prompts of 3.9 MB (under the body limit): each is refused by its length, before
+    any tokenizing, while /health keeps answering."""
+    with ThreadPoolExecutor(4) as pool:
+        started = time.monotonic()
+        replies = [pool.submit(post, url, "/v1/completions", {"prompt": HUGE}) for _ in range(4)]
+        health = httpx.get(f"{url}/health", timeout=10)
+        answered = [reply.result() for reply in replies]
+    assert health.status_code == 200
+    assert time.monotonic() - started < 10
+    for reply in answered:
+        check_refusal(reply, 400, "prompt", "context_length_exceeded")
+
+
+def test_tokenizing_runs_beside_the_event_loop():
+    """A prompt that takes 2 s to tokenize: /health answers meanwhile, then the answer comes."""
+    pipeline = make_pipeline(tokenizer=slow_tokenizer(2.0))
+    with running(pipeline=pipeline, parallel=1) as (base, _), ThreadPoolExecutor(1) as pool:
+        body = {"prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0}
+        pending = pool.submit(post, base, "/v1/completions", body)
+        time.sleep(0.5)
+        started = time.monotonic()
+        assert httpx.get(f"{base}/health", timeout=10).status_code == 200
+        assert time.monotonic() - started < 1.0 and not pending.done()
+        assert pending.result().json()["choices"][0]["text"] == alone(PROMPTS[0], 4).text
+
+
+def test_a_failure_of_the_server_is_logged_not_sent(caplog):
+    """A generation that raises: a generic 500 (or, streamed, a generic error event and
+    [DONE]); the details go to the log, and the server keeps serving."""
+    with serving(FailingBackend, parallel=1) as base:
+        body = {"prompt": PROMPTS[1], "max_tokens": 8}
+        failed = post(base, "/v1/completions", body)
+        assert failed.status_code == 500
+        assert failed.json()["error"]["type"] == "server_error" and "secret" not in failed.text
+        with httpx.stream("POST", f"{base}/v1/completions", json={**body, "stream": True}) as response:
+            events = sse_events(response)
+        assert events[-1] == "[DONE]" and "secret" not in "".join(events)
+        assert json.loads(events[-2])["error"]["type"] == "server_error"
+        native = {"prompt": PROMPTS[1], "n_predict": 8, "stream": True}
+        with httpx.stream("POST", f"{base}/completion", json=native) as response:
+            events = sse_events(response)
+        assert json.loads(events[-1])["error"]["type"] == "server_error" and "secret" not in "".join(events)
+        assert httpx.get(f"{base}/health").json()["slots_idle"] == 1
+        assert metric(base, 'specdecode_requests_total{outcome="failed"}') == 3
+    assert sum("secret detail" in record.exc_text for record in caplog.records if record.exc_text) == 3
+
+
+# --------------------------------------------------------------------------- shutdown
+
+
+def test_shutdown_cuts_streams_past_the_grace_and_refuses_queued_requests():
+    """One slot. A stream runs past the 1 s grace: cut, with an error event and [DONE]. A
+    queued stream and a queued whole request: 503 before any header."""
+    queued = {}
+    with running(SlowBackend, parallel=1, shutdown_grace=1.0) as (base, server):
+        body = {"prompt": PROMPTS[5], "max_tokens": 250, "temperature": 0, "stream": True}
+        with ThreadPoolExecutor(2) as pool:
+            with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as response:
+                lines = response.iter_lines()
+                first = next(lines)
+                queued["stream"] = pool.submit(post, base, "/v1/completions", body)
+                queued["whole"] = pool.submit(post, base, "/v1/completions", {**body, "stream": False})
+                deadline = time.monotonic() + 10
+                while httpx.get(f"{base}/health").json()["requests_waiting"] < 2:
+                    assert time.monotonic() < deadline, "the requests did not queue"
+                    time.sleep(0.02)
+                server.should_exit = True  # what SIGTERM does
+                started = time.monotonic()
+                events = [e.removeprefix("data: ") for e in [first, *lines] if e.startswith("data: ")]
+                cut_after = time.monotonic() - started
+            for reply in queued.values():
+                check_refusal(reply.result(), 503, None, "shutting_down")
+    assert 1.0 <= cut_after < 10
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["error"]["code"] == "shutting_down"
+    text = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-2])
+    assert text and alone(PROMPTS[5], 250).text.startswith(text)
+
+
+def test_shutdown_lets_a_generation_finish_within_the_grace():
+    with running(SlowBackend, parallel=1, shutdown_grace=60) as (base, server):
+        body = {"prompt": PROMPTS[6], "max_tokens": 30, "temperature": 0, "stream": True}
+        with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            events = [next(lines)]
+            server.should_exit = True
+            events += lines
+            with pytest.raises(httpx.ConnectError):  # no longer accepting
+                httpx.get(f"{base}/health")
+    data = [e.removeprefix("data: ") for e in events if e.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    assert "".join(json.loads(e)["choices"][0]["text"] for e in data[:-1]) == alone(PROMPTS[6], 30).text
+
+
+# --------------------------------------------------------------------------- llama-server's API
+
+
+def test_routes_without_v1_are_aliases(url):
+    client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120)
+    expected = alone(PROMPTS[12], 16)
+    reply = client.completions.create(model=MODEL_ID, prompt=PROMPTS[12], max_tokens=16, temperature=0)
+    assert reply.choices[0].text == expected.text
+    messages = [{"role": "user", "content": "def add(a, b):"}]
+    chat = client.chat.completions.create(model=MODEL_ID, messages=messages, max_tokens=16, temperature=0)
+    prompt = render(cached_tokenizer(), [Message(**messages[0])])
+    assert chat.choices[0].message.content == alone(prompt, 16).text
+    assert [m.id for m in client.models.list().data] == [MODEL_ID]
+
+
+def test_native_completion_answers_as_llama_server(url):
+    expected = alone(PROMPTS[13], 20)
+    body = {"prompt": PROMPTS[13], "n_predict": 20, "temperature": 0, "return_tokens": True}
+    reply = post(url, "/completion", body).json()
+    assert reply["content"] == expected.text and reply["tokens"] == expected.tokens
+    assert reply["stop"] is True and reply["stopping_word"] == "" and reply["truncated"] is False
+    assert reply["stop_type"] == ("limit" if len(expected.tokens) == 20 else "eos")
+    assert reply["tokens_predicted"] == len(expected.tokens)
+    assert reply["tokens_evaluated"] == expected.stats.n_prompt
+    timings = reply["timings"]
+    assert timings["draft_n"] == expected.stats.totals.n_drafted > 0
+    assert timings["draft_n_accepted"] == expected.stats.totals.n_accepted
+    assert timings["cache_n"] == reply["tokens_cached"]
+    assert timings["prompt_n"] + timings["cache_n"] == expected.stats.n_prompt
+    settings = reply["generation_settings"]
+    assert settings["n_ctx"] == 512 and settings["n_predict"] == 20 and settings["temperature"] == 0
+    assert (settings["speculative.n_max"], settings["speculative.p_min"]) == (4, 0.0)
+    assert post(url, "/completion", {**body, "return_tokens": False}).json()["tokens"] == []
+
+    word = expected.text[10:13]
+    stopped = post(url, "/completion", {**body, "stop": [word, "never there"]}).json()
+    assert stopped["content"] == expected.text[: expected.text.index(word)]
+    assert (stopped["stop_type"], stopped["stopping_word"]) == ("word", word)
+
+    with httpx.stream("POST", f"{url}/completion", json={**body, "stream": True}, timeout=60) as response:
+        events = [json.loads(e) for e in sse_events(response)]  # no [DONE] here, as llama-server
+    *chunks, last = events
+    assert "".join(c["content"] for c in chunks) == expected.text
+    assert [t for c in chunks for t in c["tokens"]] == expected.tokens
+    assert not any(c["stop"] for c in chunks)
+    assert last["stop"] is True and last["content"] == "" and last["timings"]["predicted_n"] == 20
+
+
+def test_per_request_drafting_settings_reach_that_generation_only(url, client):
+    narrow = replace(DRAFT_CONFIG, n_max=2)
+    expected = alone(PROMPTS[14], 24, draft_config=narrow)
+    assert expected.stats.totals.n_drafted != alone(PROMPTS[14], 24).stats.totals.n_drafted
+    body = {"prompt": PROMPTS[14], "n_predict": 24, "temperature": 0, "speculative.n_max": 2}
+    native = post(url, "/completion", body).json()
+    assert native["content"] == expected.text
+    assert native["timings"]["draft_n"] == expected.stats.totals.n_drafted
+    assert native["generation_settings"]["speculative.n_max"] == 2
+    openai_reply = client.completions.create(
+        model=MODEL_ID, prompt=PROMPTS[14], max_tokens=24, temperature=0, extra_body={"speculative.n_max": 2}
+    )
+    assert openai_reply.model_extra["timings"]["draft_n"] == expected.stats.totals.n_drafted
+    strict = alone(PROMPTS[14], 24, draft_config=replace(DRAFT_CONFIG, p_min=0.9, n_min=1))
+    reply = post(
+        url, "/completion", {**body, "speculative.n_max": 4, "speculative.p_min": 0.9, "speculative.n_min": 1}
+    )
+    assert reply.json()["timings"]["draft_n"] == strict.stats.totals.n_drafted
+    for _ in range(4):  # every slot still drafts with the server's settings
+        plain = client.completions.create(model=MODEL_ID, prompt=PROMPTS[14], max_tokens=24, temperature=0)
+        assert plain.model_extra["timings"]["draft_n"] == alone(PROMPTS[14], 24).stats.totals.n_drafted
+
+
+def test_cache_prompt_reuses_the_slots_prefix_unless_told_not_to():
+    with serving(parallel=1) as base:
+        body = {"prompt": PROMPTS[15], "n_predict": 8, "temperature": 0}
+        first, again = (post(base, "/completion", body).json() for _ in range(2))
+        fresh = post(base, "/completion", {**body, "cache_prompt": False}).json()
+    n_prompt = first["tokens_evaluated"]
+    assert first["tokens_cached"] == 0 and first["timings"]["prompt_n"] == n_prompt
+    assert again["tokens_cached"] == n_prompt - 1 and again["timings"]["prompt_n"] == 1
+    assert fresh["tokens_cached"] == 0 and fresh["timings"]["prompt_n"] == n_prompt
+    assert first["content"] == again["content"] == fresh["content"]
+
+
+def test_props_and_slots_as_llama_server_gives_them(url):
+    props = httpx.get(f"{url}/props").json()
+    assert props["total_slots"] == 4 and props["chat_template"] == DEFAULT_TEMPLATE
+    assert props["model_path"] == "model" and props["build_info"].startswith("specdecode ")
+    defaults = props["default_generation_settings"]
+    assert defaults["n_ctx"] == 512 and defaults["speculative"] is True and not defaults["is_processing"]
+    params = defaults["params"]
+    assert params["n_predict"] == -1 and params["seed"] == 0xFFFFFFFF and params["temperature"] == 0.8
+    assert (params["speculative.n_max"], params["speculative.n_min"], params["speculative.p_min"]) == (
+        4,
+        0,
+        0.0,
+    )
+    slots = httpx.get(f"{url}/slots").json()
+    assert [slot["id"] for slot in slots] == [0, 1, 2, 3]
+    assert all(
+        slot["n_ctx"] == 512 and set(slot) >= {"is_processing", "params", "next_token"} for slot in slots
+    )
+
+
+def test_tokenize_and_detokenize_as_llama_server(url):
+    tokenizer = cached_tokenizer()
+    text = PROMPTS[15]
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert post(url, "/tokenize", {"content": text}).json() == {"tokens": ids}
+    with_bos = post(url, "/tokenize", {"content": text, "add_special": True}).json()["tokens"]
+    assert with_bos == tokenizer(text)["input_ids"] and with_bos[0] == tokenizer.bos_token_id
+    pieces = post(url, "/tokenize", {"content": text, "with_pieces": True}).json()["tokens"]
+    assert [piece["id"] for piece in pieces] == ids and "".join(piece["piece"] for piece in pieces) == text
+    special = {"content": tokenizer.bos_token}
+    assert post(url, "/tokenize", special).json()["tokens"] == [tokenizer.bos_token_id]
+    assert (
+        tokenizer.bos_token_id
+        not in post(url, "/tokenize", {**special, "parse_special": False}).json()["tokens"]
+    )
+    assert post(url, "/detokenize", {"tokens": ids}).json() == {"content": text}
+
+
+def test_cors_is_off_by_default_and_answers_preflights_when_on(url):
+    origin = "https://app.example"
+    preflight = {
+        "Origin": origin,
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type",
+    }
+    off = httpx.options(f"{url}/v1/completions", headers=preflight)
+    assert off.status_code == 405 and "access-control-allow-origin" not in off.headers
+    assert (
+        "access-control-allow-origin" not in httpx.get(f"{url}/v1/models", headers={"Origin": origin}).headers
+    )
+    with serving(api_key="k", cors_origins=(origin,)) as base:
+        answered = httpx.options(f"{base}/v1/completions", headers=preflight)  # no key: preflights carry none
+        assert answered.status_code == 200 and answered.headers["access-control-allow-origin"] == origin
+        assert "POST" in answered.headers["access-control-allow-methods"]
+        assert "authorization" in answered.headers["access-control-allow-headers"].lower()
+        stranger = httpx.options(
+            f"{base}/v1/completions", headers={**preflight, "Origin": "https://evil.example"}
+        )
+        assert stranger.status_code == 400 and "access-control-allow-origin" not in stranger.headers
+        keyed = {"Origin": origin, "Authorization": "Bearer k"}
+        assert httpx.get(f"{base}/v1/models", headers=keyed).headers["access-control-allow-origin"] == origin
+        refused = httpx.get(f"{base}/v1/models", headers={"Origin": origin})
+        assert refused.status_code == 401 and refused.headers["access-control-allow-origin"] == origin
+
+
+def test_any_model_name_is_served_only_when_allowed():
+    with serving(accept_any_model=True) as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+        reply = client.completions.create(model="gpt-4o", prompt=PROMPTS[2], max_tokens=6, temperature=0)
+        assert reply.choices[0].text == alone(PROMPTS[2], 6).text and reply.model == MODEL_ID
