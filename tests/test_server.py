@@ -42,13 +42,13 @@ from specdecode import (
     SamplingParams,
     SpecdecodeError,
 )
-from specdecode.cli import main
+from specdecode.cli import build_parser, main
 from specdecode.loadtest import percentile
 from specdecode.server import ServerSettings, create_app
 from specdecode.server.chat import DEFAULT_TEMPLATE, render
 from specdecode.server.metrics import Metrics
 from specdecode.server.schemas import Message
-from specdecode.server.serve import Server, listen
+from specdecode.server.serve import Server, listen, settings_from_args
 from specdecode.server.slots import Closing, Job, SlotPool
 from specdecode.testing import save_model
 
@@ -699,6 +699,18 @@ def test_serve_command_prints_one_line_and_serves(saved_pair):
         # uvicorn shuts down, then raises the signal again: the process reports how it ended.
         assert process.wait(30) == -signal.SIGTERM
     assert "Traceback" not in process.stderr.read()
+
+
+def test_serve_flags_make_the_settings():
+    cors = ["--cors", "https://a.example,https://b.example", "--cors", "*"]
+    others = ["--accept-any-model", "--shutdown-grace", "2.5", "--api-key", "k", "-m", "somewhere/target"]
+    args = build_parser().parse_args(["serve", *cors, *others])
+    settings = settings_from_args(args, make_pipeline(), GREEDY)
+    assert settings.cors_origins == ("https://a.example", "https://b.example", "*")
+    assert settings.accept_any_model and settings.shutdown_grace == 2.5 and settings.api_key == "k"
+    assert settings.model_path == "somewhere/target"
+    defaults = settings_from_args(build_parser().parse_args(["serve"]), make_pipeline(), GREEDY)
+    assert defaults.cors_origins == () and not defaults.accept_any_model and defaults.shutdown_grace == 10
 
 
 @pytest.mark.parametrize("how", ["flag", "environment"])
