@@ -808,33 +808,41 @@ def test_a_failure_of_the_server_is_logged_not_sent(caplog):
 # --------------------------------------------------------------------------- shutdown
 
 
-def test_shutdown_cuts_streams_past_the_grace_and_refuses_queued_requests():
-    """One slot. A stream runs past the 1 s grace: cut, with an error event and [DONE]. A
-    queued stream and a queued whole request: 503 before any header."""
-    queued = {}
-    with running(SlowBackend, parallel=1, shutdown_grace=1.0) as (base, server):
+def test_shutdown_cuts_generations_past_the_grace_and_refuses_queued_requests():
+    """Two slots: a stream and a whole answer run past the 1 s grace and are cut, the stream
+    with an error event and [DONE], the whole answer with a 503. A queued stream and a queued
+    whole request get a 503 before any header."""
+    with running(SlowBackend, parallel=2, shutdown_grace=1.0) as (base, server):
         body = {"prompt": PROMPTS[5], "max_tokens": 250, "temperature": 0, "stream": True}
-        with ThreadPoolExecutor(2) as pool:
+        whole = {**body, "stream": False}
+        with ThreadPoolExecutor(3) as pool:
             with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as response:
                 lines = response.iter_lines()
                 first = next(lines)
-                queued["stream"] = pool.submit(post, base, "/v1/completions", body)
-                queued["whole"] = pool.submit(post, base, "/v1/completions", {**body, "stream": False})
-                deadline = time.monotonic() + 10
-                while httpx.get(f"{base}/health").json()["requests_waiting"] < 2:
-                    assert time.monotonic() < deadline, "the requests did not queue"
-                    time.sleep(0.02)
+                others = {"running whole": pool.submit(post, base, "/v1/completions", whole)}
+                wait_for(base, "slots_processing", 2)
+                others["queued stream"] = pool.submit(post, base, "/v1/completions", body)
+                others["queued whole"] = pool.submit(post, base, "/v1/completions", whole)
+                wait_for(base, "requests_waiting", 2)
                 server.should_exit = True  # what SIGTERM does
                 started = time.monotonic()
                 events = [e.removeprefix("data: ") for e in [first, *lines] if e.startswith("data: ")]
                 cut_after = time.monotonic() - started
-            for reply in queued.values():
+            for reply in others.values():
                 check_refusal(reply.result(), 503, None, "shutting_down")
     assert 1.0 <= cut_after < 10
     assert events[-1] == "[DONE]"
     assert json.loads(events[-2])["error"]["code"] == "shutting_down"
     text = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-2])
     assert text and alone(PROMPTS[5], 250).text.startswith(text)
+
+
+def wait_for(base: str, gauge: str, value: int) -> None:
+    """Until /health shows `value` for `gauge`."""
+    deadline = time.monotonic() + 10
+    while httpx.get(f"{base}/health").json()[gauge] != value:
+        assert time.monotonic() < deadline, f"{gauge} did not reach {value}"
+        time.sleep(0.02)
 
 
 def test_shutdown_lets_a_generation_finish_within_the_grace():
