@@ -297,6 +297,15 @@ def test_chat_uses_the_tokenizers_own_template(tmp_path):
     assert render(templated, [Message(role="user", content="hi")]) == "<user>hi<assistant>"
 
 
+def test_messages_the_chat_template_refuses_are_a_bad_request():
+    tokenizer = copy.deepcopy(cached_tokenizer())
+    tokenizer.chat_template = "{{ raise_exception('Conversation roles must alternate user/assistant') }}"
+    with running(pipeline=make_pipeline(tokenizer=tokenizer), parallel=1) as (base, _):
+        refused = post(base, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
+    check_refusal(refused, 400, "messages", None)
+    assert "roles must alternate" in refused.json()["error"]["message"]
+
+
 def test_models_and_health(client, url):
     assert [m.id for m in client.models.list().data] == [MODEL_ID]
     health = httpx.get(f"{url}/health").json()
