@@ -114,8 +114,11 @@ class Pipeline:
         prompt: str | Sequence[int],
         sampling: SamplingParams = SamplingParams(),
         config: GenerationConfig = GenerationConfig(),
+        draft_config: DraftModelConfig | None = None,
     ) -> Generation:
-        """A generation to iterate for chunks; its tokens, text and stats are complete after."""
+        """A generation to iterate for chunks; its tokens, text and stats are complete after.
+
+        draft_config: drafting settings for this generation only (None: the pipeline's own)."""
         sampler = Sampler(sampling)
         setup = SpecSetup(
             target=self.target,
@@ -123,7 +126,7 @@ class Pipeline:
             verify=config.verify,
             seed=sampler.seed,
             draft_backend=self.draft,
-            draft=self.draft_config,
+            draft=draft_config or self.draft_config,
             translator=self.translator,
             eagle3_head=self.eagle3,
             ngram=self.ngram,

@@ -1,38 +1,78 @@
-"""The OpenAI-compatible HTTP API over a Pipeline: routes, request checks, responses.
+"""The HTTP API over a Pipeline: OpenAI's endpoints, llama-server's own, request checks.
 
-Requests are checked on the event loop (tokenizing with the loaded pipeline's own tokenizer,
-which no generation uses) and turned into a `Job`; generation runs in a slot (see `slots`).
-Every refusal is an OpenAI error body with a 4xx status, raised before any slot is taken.
+A request is checked on the event loop, its prompt tokenized in a worker thread (see
+`tokens`), and it becomes a `Job`; generation runs in a slot (see `slots`). Every refusal is
+an OpenAI error body with a 4xx status, raised before any slot is taken; a streamed answer
+sends its headers only once a slot is generating it, so a request refused while it waits
+(the server shutting down) still gets a plain 503.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, replace
-from typing import TypeVar
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any, TypeVar
 
+import jinja2
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from specdecode.api import Pipeline
 from specdecode.errors import SpecdecodeError
 from specdecode.generate import Chunk, Generation, GenerationConfig
 from specdecode.sampling import SamplingParams
-from specdecode.server.chat import chat_prompt_ids
-from specdecode.server.errors import APIError, install_error_handlers, validation_error
-from specdecode.server.formats import ChatCompletion, Reply, TextCompletion, sse
+from specdecode.server.chat import chat_prompt_ids, encode, template
+from specdecode.server.errors import (
+    NOT_SUPPORTED,
+    APIError,
+    exceeds_context,
+    install_error_handlers,
+    log,
+    server_error,
+    shutting_down,
+    validation_error,
+)
+from specdecode.server.formats import (
+    ChatCompletion,
+    Reply,
+    TextCompletion,
+    native_chunk,
+    native_whole,
+    sse,
+    stopping_word,
+)
 from specdecode.server.guards import LimitBodySize, RequireApiKey
 from specdecode.server.metrics import Metrics
-from specdecode.server.schemas import ChatRequest, CompletionRequest, SamplingFields
-from specdecode.server.slots import Job, SlotPool
+from specdecode.server.schemas import (
+    ChatRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    NativeCompletionRequest,
+    Prompt,
+    Sampling,
+    SamplingFields,
+    TokenizeRequest,
+)
+from specdecode.server.slots import Closing, Job, Run, SlotPool
+from specdecode.server.tokens import Tokenizers, decode, pieces
+from specdecode.strategies import DraftModelConfig
 
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "seed")
 CLIENT_CLOSED = 499  # nginx's status for a client that left before the answer
-Body = TypeVar("Body", bound=SamplingFields)
+RANDOM_SEED = 0xFFFFFFFF  # how llama-server shows "a random seed" in its settings
+Body = TypeVar("Body", bound=BaseModel)
+
+try:
+    VERSION = version("specdecode")
+except PackageNotFoundError:  # run from a source tree
+    VERSION = "source"
 
 
 @dataclass(frozen=True)
@@ -44,6 +84,10 @@ class ServerSettings:
     max_tokens: int = 2048  # the most a request may ask for; also the default when it asks nothing
     max_body_bytes: int = 4 * 1024 * 1024
     api_key: str | None = None
+    accept_any_model: bool = False  # True: any "model" a request names is served by the one model
+    cors_origins: tuple[str, ...] = ()  # origins browsers may call from ("*": any); none: no CORS
+    shutdown_grace: float = 10.0  # seconds running generations get to finish at shutdown
+    model_path: str = ""  # what /props reports (default: the model's name)
 
     def __post_init__(self) -> None:
         if self.parallel < 1:
@@ -52,28 +96,47 @@ class ServerSettings:
             raise SpecdecodeError("--max-tokens-limit must be >= 1")
         if self.max_body_bytes < 1:
             raise SpecdecodeError("--max-body-bytes must be >= 1")
+        if self.api_key is not None and not self.api_key.strip():
+            raise SpecdecodeError("the API key is empty: give a key, or no --api-key for an open server")
+        if self.shutdown_grace < 0:
+            raise SpecdecodeError("--shutdown-grace must be >= 0")
 
 
 class Service:
-    """What the routes share: the loaded pipeline, its slots and the counters."""
+    """What the routes share: the loaded pipeline, its slots, the tokenizers, the counters."""
 
     def __init__(self, pipeline: Pipeline, settings: ServerSettings) -> None:
         self.front = pipeline
         self.settings = settings
+        self.n_ctx = pipeline.target.n_ctx
         self.metrics = Metrics(pipeline.spec_types)
         self.slots = SlotPool([pipeline.fork() for _ in range(settings.parallel)], self.metrics)
+        tokenizer = pipeline.target.tokenizer
+        self.tokenizers = Tokenizers(tokenizer, settings.parallel, self.n_ctx)
+        self.n_texts = len(tokenizer)  # ids the tokenizer can decode
+        self.chat_template = template(tokenizer)
         self.started = int(time.time())
+        # OpenAI's system_fingerprint: what, besides the request, decides the answer.
+        setup = [VERSION, settings.model_id, pipeline.spec_types, pipeline.draft_config, settings.verify]
+        self.fingerprint = "fp_" + hashlib.sha256(repr(setup).encode()).hexdigest()[:10]
 
-    # ------------------------------------------------------------------ routes
+    # ------------------------------------------------------------------ OpenAI's routes
 
     async def completions(self, request: Request) -> Response:
         body = await parse_body(request, CompletionRequest)
-        return await self._respond(body, self._prompt_ids(body.prompt), TextCompletion(), request)
+        self._check(body)
+        prompt = await self._prompt_ids(body.prompt)
+        return await self._openai(body, prompt, TextCompletion(), request)
 
     async def chat(self, request: Request) -> Response:
         body = await parse_body(request, ChatRequest)
-        prompt = chat_prompt_ids(self.front.target, body.messages)
-        return await self._respond(body, prompt, ChatCompletion(), request)
+        self._check(body)
+        self.tokenizers.check_length(sum(len(message.text) for message in body.messages), "messages")
+        try:
+            prompt = await self.tokenizers.run(chat_prompt_ids, body.messages)
+        except jinja2.TemplateError as exc:  # templates raise for conversations they do not take
+            raise APIError(400, f"the chat template refused the messages: {exc}", param="messages") from None
+        return await self._openai(body, prompt, ChatCompletion(), request)
 
     async def models(self) -> dict:
         model = {
@@ -83,6 +146,52 @@ class Service:
             "owned_by": "local",
         }
         return {"object": "list", "data": [model]}
+
+    # ------------------------------------------------------------------ llama-server's routes
+
+    async def completion(self, request: Request) -> Response:
+        """POST /completion: llama-server's request and answer."""
+        body = await parse_body(request, NativeCompletionRequest)
+        self._check(body)
+        job = self._job(body, await self._prompt_ids(body.prompt))
+        run = await self._start(job, request)
+        if run is None:
+            return Response(status_code=CLIENT_CLOSED)
+        if body.stream:
+            return StreamingResponse(self._native_stream(run), media_type="text/event-stream")
+        generation = await self._finish(run, request)
+        if generation is None:
+            return Response(status_code=CLIENT_CLOSED)
+        tokens = generation.tokens if body.return_tokens else []
+        return JSONResponse(await self._native_whole(run, generation, generation.text, tokens))
+
+    async def tokenize(self, request: Request) -> dict:
+        body = await parse_body(request, TokenizeRequest)
+        self.tokenizers.check_length(len(body.content), "content")
+        ids = await self.tokenizers.run(encode, body.content, body.add_special, body.parse_special)
+        return {"tokens": await self.tokenizers.run(pieces, ids) if body.with_pieces else ids}
+
+    async def detokenize(self, request: Request) -> dict:
+        body = await parse_body(request, DetokenizeRequest)
+        if not all(0 <= token < self.n_texts for token in body.tokens):
+            raise APIError(400, f"token ids must be in 0..{self.n_texts - 1}", param="tokens")
+        return {"content": await self.tokenizers.run(decode, body.tokens)}
+
+    async def props(self) -> dict:
+        return {
+            "default_generation_settings": self._slot_state(None, 0),
+            "total_slots": self.slots.size,
+            "model_path": self.settings.model_path or self.front.target.name,
+            "chat_template": self.chat_template,
+            "modalities": {"vision": False, "audio": False},
+            "build_info": f"specdecode {VERSION}",
+            "is_sleeping": False,
+        }
+
+    async def slot_states(self) -> list[dict]:
+        return [self._slot_state(slot.run, slot.id) for slot in self.slots.slots]
+
+    # ------------------------------------------------------------------ the server's own
 
     async def health(self) -> dict:
         return {
@@ -98,104 +207,255 @@ class Service:
 
     # ------------------------------------------------------------------ requests -> jobs
 
-    async def _respond(
-        self, body: SamplingFields, prompt: list[int], kind: TextCompletion | ChatCompletion, request: Request
-    ) -> Response:
-        self._check_model(body.model)
-        job = self._job(body, prompt)
-        reply = Reply(kind, self.settings.model_id)
-        if body.stream:
-            return StreamingResponse(self._stream(job, reply), media_type="text/event-stream")
-        result = await self._complete(job, reply, request)
-        return JSONResponse(result) if result is not None else Response(status_code=CLIENT_CLOSED)
-
-    def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.settings.model_id:
+    def _check(self, body: Sampling) -> None:
+        """What can be refused before the prompt is tokenized."""
+        if self.slots.closing:
+            raise shutting_down("no new generation starts")
+        served = self.settings.model_id
+        if body.model not in (None, served) and not self.settings.accept_any_model:
             raise APIError(
                 404,
-                f"the model {model!r} is not served here (this server serves {self.settings.model_id!r})",
+                f"the model {body.model!r} is not served here (this server serves {served!r})",
                 param="model",
                 code="model_not_found",
             )
+        field = body.unsupported()
+        if field is not None:
+            raise APIError(
+                400,
+                f"{field} is not supported by this server",
+                param=field,
+                code="unsupported",
+                type=NOT_SUPPORTED,
+            )
+        if isinstance(body, SamplingFields) and body.stream_options is not None and not body.stream:
+            raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
 
-    def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+    async def _prompt_ids(self, prompt: Prompt) -> list[int]:
         if not prompt:
             raise APIError(400, "the prompt is empty", param="prompt")
         if isinstance(prompt, str):
-            return self.front.encode(prompt)
+            self.tokenizers.check_length(len(prompt), "prompt")
+            return await self.tokenizers.run(encode, prompt)
         size = self.front.target.vocab.size
         if not all(0 <= token < size for token in prompt):
             raise APIError(400, f"prompt token ids must be in 0..{size - 1}", param="prompt")
         return list(prompt)
 
-    def _job(self, body: SamplingFields, prompt: list[int]) -> Job:
-        n_ctx = self.front.target.n_ctx
-        if len(prompt) >= n_ctx:
-            raise APIError(
-                400,
-                f"the prompt is {len(prompt)} tokens, but the context holds only {n_ctx}",
-                param="prompt",
-                code="context_length_exceeded",
+    def _job(self, body: Sampling, prompt: list[int]) -> Job:
+        if not prompt:
+            raise APIError(400, "the prompt gave no tokens", param="prompt")
+        if len(prompt) >= self.n_ctx:
+            raise exceeds_context(
+                f"the prompt is {len(prompt)} tokens, but the context holds only {self.n_ctx}",
+                "prompt",
+                self.n_ctx,
+                len(prompt),
             )
-        n_predict = self._n_predict(body.token_limit, len(prompt))
-        overrides = {name: getattr(body, name) for name in SAMPLING_FIELDS if getattr(body, name) is not None}
+        limit_field = "n_predict" if isinstance(body, NativeCompletionRequest) else "max_tokens"
+        n_predict = self._n_predict(body.token_limit, len(prompt), limit_field)
         try:
-            sampling = replace(self.settings.sampling, **overrides)
-            config = GenerationConfig(n_predict, body.stop_strings, self.settings.verify)
+            sampling = replace(self.settings.sampling, **body.sampling_overrides())
+            ignore_eos = getattr(body, "ignore_eos", False)
+            config = GenerationConfig(n_predict, body.stop_strings, self.settings.verify, ignore_eos)
         except SpecdecodeError as exc:
             raise APIError(400, str(exc)) from None
-        return Job(prompt, sampling, config)
+        return Job(prompt, sampling, config, self._draft(body), getattr(body, "cache_prompt", True))
 
-    def _n_predict(self, requested: int | None, n_prompt: int) -> int:
-        """The request's max_tokens, checked; without one, up to the limit or the context's end."""
-        limit, room = self.settings.max_tokens, self.front.target.n_ctx - n_prompt
+    def _n_predict(self, requested: int | None, n_prompt: int, field: str) -> int:
+        """The request's token limit, checked; without one, up to the limit or the context's end."""
+        limit, room = self.settings.max_tokens, self.n_ctx - n_prompt
         if requested is None:
             return min(limit, room)
         if not 1 <= requested <= limit:
-            raise APIError(400, f"max_tokens must be in 1..{limit} (got {requested})", param="max_tokens")
+            raise APIError(400, f"{field} must be in 1..{limit} (got {requested})", param=field)
         if requested > room:
-            raise APIError(
-                400,
-                f"prompt ({n_prompt} tokens) + max_tokens ({requested}) exceeds the context "
-                f"({self.front.target.n_ctx} tokens)",
-                param="max_tokens",
-                code="context_length_exceeded",
+            raise exceeds_context(
+                f"prompt ({n_prompt} tokens) + {field} ({requested}) exceeds the context "
+                f"({self.n_ctx} tokens)",
+                field,
+                self.n_ctx,
+                n_prompt,
             )
         return requested
 
+    def _draft(self, body: Sampling) -> DraftModelConfig | None:
+        """The request's drafting settings: at most the server's n_max (--draft-max), n_min at
+        most n_max (the server's n_min is lowered to a smaller n_max)."""
+        overrides = body.draft_overrides()
+        if not overrides:
+            return None
+        server = self.front.draft_config
+        n_max = overrides.setdefault("n_max", server.n_max)
+        if n_max > server.n_max:
+            raise APIError(
+                400,
+                f"speculative.n_max must be in 1..{server.n_max} (the server's --draft-max)",
+                param="speculative.n_max",
+            )
+        n_min = overrides.setdefault("n_min", min(server.n_min, n_max))
+        if n_min > n_max:
+            raise APIError(400, "speculative.n_min must be <= speculative.n_max", param="speculative.n_min")
+        return replace(server, **overrides)
+
     # ------------------------------------------------------------------ running jobs
 
-    async def _stream(self, job: Job, reply: Reply) -> AsyncIterator[str]:
-        """Server-sent events: a chunk per step with new text, a last chunk with finish_reason,
-        usage and timings, then [DONE]. Cancelled when the client leaves, which stops the job."""
+    async def _start(self, job: Job, request: Request) -> Run | None:
+        """The job running in a slot, once one is free; None when the client left meanwhile."""
         try:
-            async with contextlib.aclosing(self.slots.generate(job)) as events:
+            slot = await self.slots.acquire()
+        except Closing:
+            raise shutting_down("no new generation starts") from None
+        try:
+            if await request.is_disconnected():
+                self.slots.release(slot)
+                return None
+        except BaseException:
+            self.slots.release(slot)
+            raise
+        return self.slots.start(slot, job)
+
+    async def _finish(self, run: Run, request: Request) -> Generation | None:
+        """The finished generation, or None when the client left first (the job is stopped)."""
+        async with contextlib.aclosing(run.events()) as events:
+            try:
                 async for event in events:
                     if isinstance(event, Generation):
-                        yield sse(reply.last_chunk(event.stats))
-                    elif event.text:
-                        yield sse(reply.chunk(event.text))
-        except Exception as exc:  # the headers are sent: the failure travels as an event
-            yield sse(APIError(500, f"generation failed: {exc}", type="server_error").body())
+                        return event
+                    assert isinstance(event, Chunk)
+                    if await request.is_disconnected():
+                        return None
+            except Closing:
+                raise shutting_down("the generation was stopped") from None
+        raise AssertionError("a job ends with its Generation")
+
+    async def _openai(
+        self, body: SamplingFields, prompt: list[int], kind: TextCompletion | ChatCompletion, request: Request
+    ) -> Response:
+        job = self._job(body, prompt)
+        reply = Reply(kind, self.settings.model_id, self.fingerprint, body.include_usage)
+        run = await self._start(job, request)
+        if run is None:
+            return Response(status_code=CLIENT_CLOSED)
+        if body.stream:
+            return StreamingResponse(self._openai_stream(run, reply), media_type="text/event-stream")
+        generation = await self._finish(run, request)
+        if generation is None:
+            return Response(status_code=CLIENT_CLOSED)
+        return JSONResponse(reply.whole(generation.text, generation.stats, run.n_cached))
+
+    async def _openai_stream(self, run: Run, reply: Reply) -> AsyncIterator[str]:
+        """Server-sent events: a role-only opening chunk (chat), a chunk per step with new text,
+        a chunk with finish_reason and timings, the usage chunk if asked, then [DONE]. A cut
+        generation ends with an error event and [DONE]. Cancelled when the client leaves,
+        which stops the job."""
+        opening = reply.opening()
+        if opening is not None:
+            yield sse(opening)
+        async for event in self._events(run):
+            if isinstance(event, dict):
+                yield sse(event)
+            elif isinstance(event, Generation):
+                yield sse(reply.last_chunk(event.stats, run.n_cached))
+                if reply.include_usage:
+                    yield sse(reply.usage_chunk(event.stats))
+            elif event.text:
+                yield sse(reply.chunk(event.text))
         yield sse("[DONE]")
 
-    async def _complete(self, job: Job, reply: Reply, request: Request) -> dict | None:
-        """The whole answer, or None when the client left first (the job is stopped then)."""
-        async with contextlib.aclosing(self.slots.generate(job)) as events:
-            async for event in events:
-                if isinstance(event, Generation):
-                    return reply.whole(event.text, event.stats)
-                assert isinstance(event, Chunk)
-                if await request.is_disconnected():
-                    return None
-        raise AssertionError("a job ends with its Generation")
+    async def _native_stream(self, run: Run) -> AsyncIterator[str]:
+        """llama-server's /completion stream: a chunk per step, then the whole answer's fields
+        with stop: true (no [DONE], as llama-server sends none there)."""
+        async for event in self._events(run):
+            if isinstance(event, dict):
+                yield sse(event)
+            elif isinstance(event, Generation):
+                yield sse(await self._native_whole(run, event, "", []))
+            elif event.text or event.tokens:
+                yield sse(native_chunk(event.text, event.tokens, run.slot.id))
+
+    async def _events(self, run: Run) -> AsyncIterator[Chunk | Generation | dict[str, Any]]:
+        """A run's events for a stream whose headers are sent: a failure ends it with an error
+        event (the details of the server's own failures go to the log)."""
+        try:
+            async with contextlib.aclosing(run.events()) as events:
+                async for event in events:
+                    yield event
+        except Closing:
+            yield shutting_down("the generation was stopped").body()
+        except Exception:
+            log.exception("generation failed")
+            yield server_error().body()
+
+    async def _native_whole(
+        self, run: Run, generation: Generation, text: str, tokens: list[int]
+    ) -> dict[str, Any]:
+        stops = run.job.config.stop
+        stopping = ""
+        if generation.stats.stop_reason == "stop string":
+            whole = await self.tokenizers.run(decode, generation.tokens, True)
+            stopping = stopping_word(generation.text, whole, stops)
+        return native_whole(
+            text,
+            tokens,
+            generation.stats,
+            n_cached=run.n_cached,
+            slot=run.slot.id,
+            model=self.settings.model_id,
+            stopping=stopping,
+            settings={"n_ctx": self.n_ctx, **self._params(run.job)},
+        )
+
+    # ------------------------------------------------------------------ llama-server's views
+
+    def _params(self, job: Job | None) -> dict[str, Any]:
+        """A job's settings as llama-server shows them (the defaults without a job)."""
+        sampling = job.sampling if job is not None else self.settings.sampling
+        n_predict = job.config.n_predict if job is not None else -1
+        draft = (job.draft if job is not None else None) or self.front.draft_config
+        return {
+            "n_predict": n_predict,
+            "seed": sampling.seed if sampling.seed is not None else RANDOM_SEED,
+            "temperature": sampling.temperature,
+            "top_k": sampling.top_k,
+            "top_p": sampling.top_p,
+            "min_p": sampling.min_p,
+            "repeat_last_n": sampling.repeat_last_n,
+            "repeat_penalty": sampling.repeat_penalty,
+            "presence_penalty": sampling.presence_penalty,
+            "frequency_penalty": sampling.frequency_penalty,
+            "stop": list(job.config.stop) if job is not None else [],
+            "max_tokens": n_predict,
+            "ignore_eos": job.config.ignore_eos if job is not None else False,
+            "n_probs": 0,
+            "speculative.n_max": draft.n_max,
+            "speculative.n_min": draft.n_min,
+            "speculative.p_min": draft.p_min,
+        }
+
+    def _slot_state(self, run: Run | None, slot: int) -> dict[str, Any]:
+        n_predict = run.job.config.n_predict if run is not None else -1
+        n_decoded = run.n_decoded if run is not None else 0
+        return {
+            "id": slot,
+            "id_task": run.task if run is not None else -1,
+            "n_ctx": self.n_ctx,
+            "speculative": bool(self.front.spec_types),
+            "is_processing": run is not None,
+            "params": self._params(run.job if run is not None else None),
+            "next_token": {
+                "has_next_token": run is not None,
+                "n_remain": n_predict - n_decoded if n_predict > 0 else -1,
+                "n_decoded": n_decoded,
+            },
+        }
 
 
 async def parse_body(request: Request, model: type[Body]) -> Body:
     """The JSON body as `model`, whatever the Content-Type says (curl -d sends a form type)."""
     try:
         data = json.loads(await request.body())
-    except ValueError as exc:  # also bytes that are not UTF-8
+    except (ValueError, RecursionError) as exc:  # also bytes that are not UTF-8, and deep nesting
         raise APIError(400, f"the body is not valid JSON ({exc})", code="json_invalid") from None
     try:
         return model.model_validate(data)
@@ -203,18 +463,66 @@ async def parse_body(request: Request, model: type[Body]) -> Body:
         raise validation_error(exc.errors()) from None
 
 
+def request_body(model: type[BaseModel]) -> dict[str, Any]:
+    """The OpenAPI description of a body a route parses itself (see `publish_bodies`)."""
+    schema = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def publish_bodies(app: FastAPI, models: Sequence[type[BaseModel]]) -> None:
+    """/openapi.json with the request bodies' schemas: routes parse their bodies themselves
+    (for OpenAI-style 400s whatever the Content-Type), so FastAPI does not know them."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for model in models:
+                body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                components.update(body.pop("$defs", {}))
+                components[model.__name__] = body
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
 def create_app(pipeline: Pipeline, settings: ServerSettings) -> FastAPI:
     """The server's ASGI app; it forks `pipeline` into `settings.parallel` slots."""
     service = Service(pipeline, settings)
-    app = FastAPI(title="specdecode", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="specdecode", version=VERSION, docs_url=None, redoc_url=None)
     app.state.service = service
     install_error_handlers(app)
-    app.add_api_route("/v1/completions", service.completions, methods=["POST"])
-    app.add_api_route("/v1/chat/completions", service.chat, methods=["POST"])
-    app.add_api_route("/v1/models", service.models, methods=["GET"])
-    app.add_api_route("/health", service.health, methods=["GET"])
-    app.add_api_route("/metrics", service.prometheus, methods=["GET"])
+    posts = {
+        ("/v1/completions", "/completions"): (service.completions, CompletionRequest),
+        ("/v1/chat/completions", "/chat/completions"): (service.chat, ChatRequest),
+        ("/completion",): (service.completion, NativeCompletionRequest),
+        ("/tokenize",): (service.tokenize, TokenizeRequest),
+        ("/detokenize",): (service.detokenize, DetokenizeRequest),
+    }
+    for paths, (handler, body) in posts.items():
+        for path in paths:
+            app.add_api_route(path, handler, methods=["POST"], openapi_extra=request_body(body))
+    gets = {
+        ("/v1/models", "/models"): service.models,
+        ("/props",): service.props,
+        ("/slots",): service.slot_states,
+        ("/health",): service.health,
+        ("/metrics",): service.prometheus,
+    }
+    for paths, handler in gets.items():
+        for path in paths:
+            app.add_api_route(path, handler, methods=["GET"])
+    publish_bodies(app, [body for _, body in posts.values()])
     app.add_middleware(LimitBodySize, limit=settings.max_body_bytes)
     if settings.api_key:
-        app.add_middleware(RequireApiKey, api_key=settings.api_key)  # added last: runs first
+        app.add_middleware(RequireApiKey, api_key=settings.api_key)
+    if settings.cors_origins:  # added last, so it runs first: preflights need no key
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(settings.cors_origins),
+            allow_methods=["GET", "POST"],
+            allow_headers=["Authorization", "Content-Type"],
+            max_age=600,
+        )
     return app

@@ -14,7 +14,6 @@ from collections.abc import Sequence
 
 from transformers import PreTrainedTokenizerBase
 
-from specdecode.backends.hf import HFBackend
 from specdecode.server.schemas import Message
 
 DEFAULT_TEMPLATE = (
@@ -33,8 +32,26 @@ def render(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Message]) -> s
     )
 
 
-def chat_prompt_ids(backend: HFBackend, messages: Sequence[Message]) -> list[int]:
+def template(tokenizer: PreTrainedTokenizerBase) -> str:
+    """The chat template in use: the tokenizer's own (its default one, when it has several),
+    else the plain one."""
+    own = tokenizer.chat_template
+    if isinstance(own, dict):
+        own = own.get("default")
+    return own or DEFAULT_TEMPLATE
+
+
+def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Message]) -> list[int]:
     """Prompt ids; BOS is added unless the template already wrote it (as most templates do)."""
-    text = render(backend.tokenizer, messages)
-    bos = backend.tokenizer.bos_token
-    return backend.tokenize(text, add_special=not (bos and text.startswith(bos)))
+    text = render(tokenizer, messages)
+    bos = tokenizer.bos_token
+    return encode(tokenizer, text, add_special=not (bos and text.startswith(bos)))
+
+
+def encode(
+    tokenizer: PreTrainedTokenizerBase, text: str, add_special: bool = True, parse_special: bool = True
+) -> list[int]:
+    """Token ids of `text`, as the backends tokenize it (parse_special False: the text of
+    special tokens is tokenized as plain text)."""
+    options = {} if parse_special else {"split_special_tokens": True}
+    return list(tokenizer(text, add_special_tokens=add_special, **options)["input_ids"])

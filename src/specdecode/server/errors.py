@@ -1,13 +1,17 @@
 """OpenAI-style error bodies: every refusal, whatever raised it, reads the same to a client.
 
 {"error": {"message": ..., "type": ..., "param": ..., "code": ...}} with a 4xx status for the
-client's mistakes (400 bad input, 401 key, 404 model or route, 413 body size) and 500 only for
-the server's own failures.
+client's mistakes (400 bad input, 401 key, 404 model or route, 405 method, 413 body size),
+503 while the server shuts down and 500 only for the server's own failures, whose details go
+to the log, not to the client. `type` is OpenAI's `invalid_request_error` except where
+llama-server has a type of its own (`authentication_error`, `exceed_context_size_error`,
+`not_supported_error`, `unavailable_error`), so that clients of either read it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -16,6 +20,14 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 INVALID_REQUEST = "invalid_request_error"
+AUTHENTICATION = "authentication_error"
+EXCEEDS_CONTEXT = "exceed_context_size_error"
+NOT_SUPPORTED = "not_supported_error"
+UNAVAILABLE = "unavailable_error"
+SERVER_ERROR = "server_error"
+GENERIC_500 = "internal server error (the server's log has the details)"
+
+log = logging.getLogger("specdecode.server")
 
 
 class APIError(Exception):
@@ -29,19 +41,44 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
         type: str = INVALID_REQUEST,
+        headers: Mapping[str, str] | None = None,
+        extra: Mapping[str, Any] | None = None,
     ) -> None:
+        """headers: sent with the answer (Allow, WWW-Authenticate); extra: more fields of the
+        error object (llama-server's n_prompt_tokens and n_ctx)."""
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
         self.type = type
+        self.headers = dict(headers or {})
+        self.extra = dict(extra or {})
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        error = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
+        return {"error": {**error, **self.extra}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def server_error() -> APIError:
+    """What a client sees of a failure of the server's own: a 500 without its details."""
+    return APIError(500, GENERIC_500, type=SERVER_ERROR)
+
+
+def shutting_down(what: str) -> APIError:
+    return APIError(503, f"the server is shutting down: {what}", type=UNAVAILABLE, code="shutting_down")
+
+
+def exceeds_context(message: str, param: str, n_ctx: int, n_prompt: int | None = None) -> APIError:
+    """llama-server's refusal of a request too long for the context, with its numbers
+    (n_prompt_tokens only where the prompt was tokenized)."""
+    extra = {"n_ctx": n_ctx} if n_prompt is None else {"n_prompt_tokens": n_prompt, "n_ctx": n_ctx}
+    return APIError(
+        400, message, param=param, code="context_length_exceeded", type=EXCEEDS_CONTEXT, extra=extra
+    )
 
 
 def validation_error(errors: Sequence[dict[str, Any]]) -> APIError:
@@ -69,12 +106,14 @@ def install_error_handlers(app: FastAPI) -> None:
         return validation_error(exc.errors()).response()
 
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
-        return APIError(exc.status_code, str(exc.detail)).response()
+        # Starlette's own refusals (404, 405 with its Allow header), in the same envelope.
+        return APIError(exc.status_code, str(exc.detail), headers=exc.headers).response()
 
-    async def server_error(request: Request, exc: Exception) -> JSONResponse:
-        return APIError(500, f"internal error: {exc}", type="server_error").response()
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+        return server_error().response()
 
     app.add_exception_handler(APIError, api_error)
     app.add_exception_handler(RequestValidationError, invalid_body)
     app.add_exception_handler(HTTPException, http_error)
-    app.add_exception_handler(Exception, server_error)
+    app.add_exception_handler(Exception, unexpected)

@@ -1,17 +1,20 @@
 """Response bodies: OpenAI's completion and chat objects, whole or as stream chunks, with
 `usage` and llama-server's `timings` (prompt_n, prompt_ms, predicted_n, predicted_ms,
-draft_n, draft_n_accepted and the per-token and per-second rates)."""
+cache_n, draft_n, draft_n_accepted and the per-token and per-second rates); and
+llama-server's own /completion bodies."""
 
 from __future__ import annotations
 
 import json
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 from specdecode.stats import GenerationStats
 
 FINISH_REASONS = {"eos": "stop", "stop string": "stop", "n_predict": "length", "context": "length"}
+STOP_TYPES = {"eos": "eos", "stop string": "word", "n_predict": "limit", "context": "limit"}
 
 
 def finish_reason(stats: GenerationStats) -> str:
@@ -26,13 +29,17 @@ def usage(stats: GenerationStats) -> dict[str, int]:
     }
 
 
-def timings(stats: GenerationStats) -> dict[str, float | int]:
+def timings(stats: GenerationStats, n_cached: int) -> dict[str, float | int]:
+    """llama-server's timings; prompt_n counts the prompt tokens evaluated, cache_n those
+    the slot's cache already held."""
     prompt_ms, predicted_ms = 1e3 * stats.t_prompt, 1e3 * stats.t_generation
+    prompt_n = stats.n_prompt - n_cached
     return {
-        "prompt_n": stats.n_prompt,
+        "cache_n": n_cached,
+        "prompt_n": prompt_n,
         "prompt_ms": prompt_ms,
-        "prompt_per_token_ms": prompt_ms / stats.n_prompt if stats.n_prompt else 0.0,
-        "prompt_per_second": stats.prompt_tokens_per_second,
+        "prompt_per_token_ms": prompt_ms / prompt_n if prompt_n else 0.0,
+        "prompt_per_second": 1e3 * prompt_n / prompt_ms if prompt_ms else 0.0,
         "predicted_n": stats.n_generated,
         "predicted_ms": predicted_ms,
         "predicted_per_token_ms": predicted_ms / stats.n_generated if stats.n_generated else 0.0,
@@ -57,57 +64,129 @@ class TextCompletion:
     def choice(self, text: str, finish: str | None) -> dict[str, Any]:
         return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
 
-    def delta(self, text: str, finish: str | None, first: bool) -> dict[str, Any]:
-        return self.choice(text, finish)
+    def delta(self, text: str | None, finish: str | None) -> dict[str, Any]:
+        return self.choice(text or "", finish)
+
+    def opening(self) -> dict[str, Any] | None:
+        return None
 
 
 class ChatCompletion:
-    """POST /v1/chat/completions bodies: the role goes in the first delta only, as OpenAI does."""
+    """POST /v1/chat/completions bodies: a stream opens with a role-only delta, as OpenAI's do."""
 
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
     id_prefix = "chatcmpl"
 
     def choice(self, text: str, finish: str | None) -> dict[str, Any]:
-        message = {"role": "assistant", "content": text}
+        message = {"role": "assistant", "content": text, "refusal": None}
         return {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
 
-    def delta(self, text: str, finish: str | None, first: bool) -> dict[str, Any]:
-        delta = {"role": "assistant", "content": text} if first else {"content": text}
+    def delta(self, text: str | None, finish: str | None) -> dict[str, Any]:
+        delta = {} if text is None else {"content": text}
         return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+
+    def opening(self) -> dict[str, Any] | None:
+        delta = {"role": "assistant", "content": "", "refusal": None}
+        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
 
 
 class Reply:
-    """The bodies of one response; every chunk of a stream shares its id and creation time."""
+    """The bodies of one response; every chunk of a stream shares its id and creation time.
 
-    def __init__(self, kind: TextCompletion | ChatCompletion, model: str) -> None:
+    include_usage (OpenAI's stream_options): every chunk carries `usage: null` and a last
+    chunk with no choices carries the usage; without it a stream has no usage."""
+
+    def __init__(
+        self,
+        kind: TextCompletion | ChatCompletion,
+        model: str,
+        fingerprint: str,
+        include_usage: bool = False,
+    ) -> None:
         self.kind = kind
         self.model = model
+        self.fingerprint = fingerprint
+        self.include_usage = include_usage
         self.id = f"{kind.id_prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
-        self._first = True
 
-    def whole(self, text: str, stats: GenerationStats) -> dict[str, Any]:
+    def whole(self, text: str, stats: GenerationStats, n_cached: int) -> dict[str, Any]:
         return {
             **self._head(self.kind.object),
             "choices": [self.kind.choice(text, finish_reason(stats))],
             "usage": usage(stats),
-            "timings": timings(stats),
+            "timings": timings(stats, n_cached),
         }
+
+    def opening(self) -> dict[str, Any] | None:
+        choice = self.kind.opening()
+        return None if choice is None else self._chunk([choice])
 
     def chunk(self, text: str) -> dict[str, Any]:
-        first, self._first = self._first, False
-        return {**self._head(self.kind.chunk_object), "choices": [self.kind.delta(text, None, first)]}
+        return self._chunk([self.kind.delta(text, None)])
 
-    def last_chunk(self, stats: GenerationStats) -> dict[str, Any]:
-        """The end of a stream: finish_reason, usage and timings."""
-        first, self._first = self._first, False
-        return {
-            **self._head(self.kind.chunk_object),
-            "choices": [self.kind.delta("", finish_reason(stats), first)],
-            "usage": usage(stats),
-            "timings": timings(stats),
-        }
+    def last_chunk(self, stats: GenerationStats, n_cached: int) -> dict[str, Any]:
+        """The end of the choice: finish_reason, and llama-server's timings."""
+        chunk = self._chunk([self.kind.delta(None, finish_reason(stats))])
+        return {**chunk, "timings": timings(stats, n_cached)}
+
+    def usage_chunk(self, stats: GenerationStats) -> dict[str, Any]:
+        return {**self._chunk([]), "usage": usage(stats)}
+
+    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        chunk = {**self._head(self.kind.chunk_object), "choices": choices}
+        return {**chunk, "usage": None} if self.include_usage else chunk
 
     def _head(self, object_name: str) -> dict[str, Any]:
-        return {"id": self.id, "object": object_name, "created": self.created, "model": self.model}
+        return {
+            "id": self.id,
+            "object": object_name,
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": self.fingerprint,
+        }
+
+
+def stopping_word(text: str, full_text: str, stops: Sequence[str]) -> str:
+    """The stop string that ended a generation: the one that follows the kept text in the
+    whole decoded output."""
+    rest = full_text[len(text) :]
+    return next((stop for stop in stops if rest.startswith(stop)), "")
+
+
+def native_chunk(text: str, tokens: list[int], slot: int) -> dict[str, Any]:
+    """One event of a /completion stream."""
+    return {"index": 0, "content": text, "tokens": tokens, "stop": False, "id_slot": slot}
+
+
+def native_whole(
+    text: str,
+    tokens: list[int],
+    stats: GenerationStats,
+    *,
+    n_cached: int,
+    slot: int,
+    model: str,
+    stopping: str,
+    settings: dict[str, Any],
+) -> dict[str, Any]:
+    """llama-server's /completion answer (the last event of a stream, with the text already
+    sent, has content "")."""
+    return {
+        "index": 0,
+        "content": text,
+        "tokens": tokens,
+        "id_slot": slot,
+        "stop": True,
+        "model": model,
+        "tokens_predicted": stats.n_generated,
+        "tokens_evaluated": stats.n_prompt,
+        "generation_settings": settings,
+        "has_new_line": "\n" in text,
+        "truncated": False,
+        "stop_type": STOP_TYPES.get(stats.stop_reason, "none"),
+        "stopping_word": stopping,
+        "tokens_cached": n_cached,
+        "timings": timings(stats, n_cached),
+    }

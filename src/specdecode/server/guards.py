@@ -10,28 +10,33 @@ import secrets
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from specdecode.server.errors import APIError
+from specdecode.server.errors import AUTHENTICATION, APIError
 
 OPEN_PATHS = frozenset({"/health"})  # what load balancers probe without a key
 
 
 class RequireApiKey:
-    """401 unless the request carries `Authorization: Bearer KEY` (every path but /health)."""
+    """401 unless the request carries `Authorization: Bearer KEY` (every path but /health).
+
+    The scheme is matched case-insensitively, as HTTP auth schemes are (RFC 9110); the key
+    exactly, in constant time."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
-        given = dict(scope["headers"]).get(b"authorization", b"")
-        if not secrets.compare_digest(given, self.expected):
+        scheme, _, key = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+        if scheme.lower() != b"bearer" or not secrets.compare_digest(key.strip(), self.expected):
             error = APIError(
                 401,
                 "invalid or missing API key: send the header 'Authorization: Bearer KEY'",
                 code="invalid_api_key",
+                type=AUTHENTICATION,
+                headers={"WWW-Authenticate": 'Bearer realm="specdecode"'},
             )
             await error.response()(scope, receive, send)
             return

@@ -1,33 +1,64 @@
-"""Request bodies of the OpenAI-compatible endpoints, validated strictly.
+"""Request bodies, validated strictly: OpenAI's endpoints and llama-server's own.
 
 Strict types (no "5" for 5, no true for 1) and unknown fields refused, as the OpenAI API
 refuses them: a misspelt parameter should fail loudly, not be ignored. Fields that are left
 out take the server's defaults (its sampling flags). `model` may be left out: the server
-serves one model. top_k and min_p are llama-server extensions.
+serves one model. top_k and min_p are llama-server extensions, and so are its per-request
+drafting settings, spelt as it spells them: keys with a dot (`"speculative.n_max": 4`).
+
+Text fields refuse lone surrogates (`"\\ud800"` is valid JSON but no Unicode character):
+the tokenizer cannot encode them, and the refusal names the field.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 MAX_STOP_STRINGS = 4  # the OpenAI API's limit
+MAX_NATIVE_STOP_STRINGS = 16  # llama-server has none; every stop string is checked at every step
 
 
-class StreamOptions(BaseModel):
+def no_lone_surrogates(text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"the text holds a lone surrogate (\\u{ord(text[exc.start]):04x} at character {exc.start}), "
+            "which is not a Unicode character"
+        ) from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(no_lone_surrogates)]
+Prompt = Text | list[int]  # text, or token ids
+
+
+class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    include_usage: bool = True  # the last chunk always carries usage; accepted for compatibility
+
+class StreamOptions(Strict):
+    include_usage: bool = False  # True: a last chunk with `usage` and no choices, before [DONE]
 
 
-class SamplingFields(BaseModel):
-    """What completions and chat requests share."""
+class Speculative(Strict):
+    """llama-server's per-request drafting settings, within the server's limits."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+    spec_n_max: int | None = Field(None, alias="speculative.n_max", ge=1)
+    spec_n_min: int | None = Field(None, alias="speculative.n_min", ge=0)
+    spec_p_min: float | None = Field(None, alias="speculative.p_min", ge=0.0, le=1.0)
+
+    def draft_overrides(self) -> dict[str, Any]:
+        given = {"n_max": self.spec_n_max, "n_min": self.spec_n_min, "p_min": self.spec_p_min}
+        return {name: value for name, value in given.items() if value is not None}
+
+
+class Sampling(Speculative):
+    """The sampling fields every generating endpoint takes."""
 
     model: str | None = None
-    max_tokens: int | None = None  # None: up to the server's limit or the end of the context
     temperature: float | None = None
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=0)
@@ -35,9 +66,35 @@ class SamplingFields(BaseModel):
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     seed: int | None = Field(None, ge=0)
-    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
-    n: Literal[1] = 1
     stream: bool = False
+
+    def sampling_overrides(self) -> dict[str, Any]:
+        names = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "seed")
+        return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+
+    @property
+    def token_limit(self) -> int | None:
+        raise NotImplementedError
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        raise NotImplementedError
+
+    def unsupported(self) -> str | None:
+        """The first field asking for something this server does not do, if any."""
+        return None
+
+
+class SamplingFields(Sampling):
+    """What OpenAI's completions and chat requests share."""
+
+    max_tokens: int | None = None  # None: up to the server's limit or the end of the context
+    stop: Text | Annotated[list[Text], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    n: int = Field(1, ge=1)
+    logprobs: bool | int | None = None
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    response_format: dict[str, Any] | None = None
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted and ignored, as a label for the caller's own logs
 
@@ -51,25 +108,36 @@ class SamplingFields(BaseModel):
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def unsupported(self) -> str | None:
+        if self.n != 1:
+            return "n"
+        if self.logprobs or self.top_logprobs:
+            return "logprobs" if self.logprobs else "top_logprobs"
+        if self.tools:
+            return "tools"
+        if self.response_format is not None and self.response_format != {"type": "text"}:
+            return "response_format"
+        return None
+
 
 class CompletionRequest(SamplingFields):
     """POST /v1/completions: one prompt, as text or as token ids."""
 
-    prompt: str | list[int]
+    prompt: Prompt
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
+class TextPart(Strict):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
-class Message(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
+class Message(Strict):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    content: Text | list[TextPart]
     name: str | None = None
 
     @property
@@ -88,3 +156,53 @@ class ChatRequest(SamplingFields):
     @property
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class NativeCompletionRequest(Sampling):
+    """POST /completion, llama-server's own: its field names and defaults."""
+
+    prompt: Prompt
+    n_predict: int = -1  # -1: up to the server's limit or the end of the context
+    seed: int | None = Field(None, ge=-1)  # -1: a random seed, as llama-server's default
+    stop: Annotated[list[Text], Field(max_length=MAX_NATIVE_STOP_STRINGS)] = []
+    repeat_penalty: float | None = Field(None, gt=0.0)
+    repeat_last_n: int | None = Field(None, ge=-1)
+    ignore_eos: bool = False
+    cache_prompt: bool = True  # False: the slot's cached prefix is dropped and the prompt evaluated anew
+    return_tokens: bool = False
+    n_probs: int = Field(0, ge=0)
+
+    def sampling_overrides(self) -> dict[str, Any]:
+        overrides = super().sampling_overrides()
+        if self.seed == -1:
+            overrides["seed"] = None
+        for name in ("repeat_penalty", "repeat_last_n"):
+            if getattr(self, name) is not None:
+                overrides[name] = getattr(self, name)
+        return overrides
+
+    @property
+    def token_limit(self) -> int | None:
+        return None if self.n_predict == -1 else self.n_predict
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        return tuple(self.stop)
+
+    def unsupported(self) -> str | None:
+        return "n_probs" if self.n_probs else None
+
+
+class TokenizeRequest(Strict):
+    """POST /tokenize (llama-server's)."""
+
+    content: Text
+    add_special: bool = False
+    parse_special: bool = True  # False: special tokens' text is tokenized as plain text
+    with_pieces: bool = False
+
+
+class DetokenizeRequest(Strict):
+    """POST /detokenize (llama-server's)."""
+
+    tokens: list[int]

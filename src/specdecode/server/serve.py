@@ -1,16 +1,21 @@
-"""Start-up of `specdecode serve`: its flags, the listening socket, the banner, uvicorn.
+"""Start-up of `specdecode serve`: its flags, the listening socket, the banner, uvicorn,
+and the shutdown.
 
 The socket is bound before the models load, so a port in use fails at once with one
-`error:` line rather than after loading.
+`error:` line rather than after loading. On SIGTERM or SIGINT the server stops accepting,
+answers requests still waiting for a slot with 503, lets running generations finish for
+--shutdown-grace seconds, then cuts the rest (a stream gets an error event and [DONE]).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import socket
 
 import uvicorn
+from fastapi import FastAPI
 
 from specdecode.api import Pipeline
 from specdecode.errors import SpecdecodeError
@@ -19,7 +24,7 @@ from specdecode.server.app import ServerSettings, create_app
 
 DEFAULTS = ServerSettings(model_id="")
 API_KEY_VARIABLE = "SPECDECODE_API_KEY"
-GRACEFUL_SHUTDOWN_S = 5
+CUT_MARGIN_S = 5  # after the grace: for cut generations to end their current step and streams
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -47,6 +52,24 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--max-body-bytes", type=int, default=DEFAULTS.max_body_bytes, help="largest request body accepted"
     )
+    group.add_argument(
+        "--accept-any-model",
+        action="store_true",
+        help="serve requests whatever model they name (for clients that hard-code one); default: 404",
+    )
+    group.add_argument(
+        "--cors",
+        action="append",
+        metavar="ORIGIN",
+        help="let browsers call from ORIGIN (repeat or comma-separate; '*': any); default: no CORS",
+    )
+    group.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=DEFAULTS.shutdown_grace,
+        metavar="SECONDS",
+        help="on SIGTERM, how long running generations may go on before they are cut",
+    )
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -70,7 +93,11 @@ def settings_from_args(
         verify=args.verify,
         max_tokens=args.max_tokens_limit,
         max_body_bytes=args.max_body_bytes,
-        api_key=args.api_key or os.environ.get(API_KEY_VARIABLE) or None,
+        api_key=args.api_key if args.api_key is not None else os.environ.get(API_KEY_VARIABLE),
+        accept_any_model=args.accept_any_model,
+        cors_origins=tuple(origin.strip() for given in args.cors or () for origin in given.split(",")),
+        shutdown_grace=args.shutdown_grace,
+        model_path=str(args.model),
     )
 
 
@@ -88,14 +115,30 @@ def banner(sock: socket.socket, pipeline: Pipeline, settings: ServerSettings) ->
     )
 
 
+class Server(uvicorn.Server):
+    """uvicorn's server, whose shutdown first drains the slots (see the module's docstring)."""
+
+    def __init__(self, app: FastAPI, **options) -> None:
+        self.service = app.state.service
+        grace = self.service.settings.shutdown_grace
+        super().__init__(
+            uvicorn.Config(app, timeout_graceful_shutdown=grace + CUT_MARGIN_S, access_log=False, **options)
+        )
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        slots = self.service.slots
+        slots.close()  # before anything else: waiting requests get their 503 now
+        draining = asyncio.ensure_future(slots.drain(self.service.settings.shutdown_grace))
+        await super().shutdown(sockets)  # stops accepting, waits for the connections
+        await draining
+
+
 def run(pipeline: Pipeline, settings: ServerSettings, sock: socket.socket) -> None:
-    """Serve until interrupted."""
+    """Serve until SIGTERM or SIGINT."""
     app = create_app(pipeline, settings)
-    config = uvicorn.Config(
-        app, log_level="warning", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, access_log=False
-    )
     print(banner(sock, pipeline, settings), flush=True)
     try:
-        uvicorn.Server(config).run(sockets=[sock])
+        Server(app, log_level="warning").run(sockets=[sock])
     finally:
         app.state.service.slots.shutdown()
+        app.state.service.tokenizers.shutdown()
