@@ -139,6 +139,7 @@ class ExactnessLog:
     """What the exactness tests ran, for the terminal summary (and the report)."""
 
     cases: Counter[str] = field(default_factory=Counter)
+    dtypes: Counter[str] = field(default_factory=Counter)  # cases by the target's dtype
     drafted: int = 0
     accepted: int = 0
     by_kind: dict[str, list[int]] = field(default_factory=dict)  # kind -> [drafted, accepted]
@@ -146,8 +147,9 @@ class ExactnessLog:
     accepting: int = 0  # cases where at least one draft token was accepted
     rejecting: int = 0  # cases where at least one draft token was rejected
 
-    def record(self, test: str, kind: str, stats, stop_reason: str = "") -> None:
+    def record(self, test: str, kind: str, stats, stop_reason: str = "", dtype: str = "float64") -> None:
         self.cases[test] += 1
+        self.dtypes[dtype] += 1
         self.drafted += stats.totals.n_drafted
         self.accepted += stats.totals.n_accepted
         entry = self.by_kind.setdefault(f"{test.split('/')[0]:<20} draft {kind}", [0, 0])
@@ -177,6 +179,9 @@ def pytest_terminal_summary(terminalreporter) -> None:
         f"{total} cases compared with plain generation; drafted {log.drafted}, accepted "
         f"{log.accepted} ({100 * rate:.1f}%); {log.accepting} cases accepted drafts, "
         f"{log.rejecting} rejected some; {log.eos_stops} ended at EOS"
+    )
+    terminalreporter.write_line(
+        "by dtype: " + ", ".join(f"{dtype} {count}" for dtype, count in log.dtypes.most_common())
     )
     for name, count in sorted(log.cases.items()):
         terminalreporter.write_line(f"  {name}: {count}")
