@@ -34,7 +34,7 @@ class SamplingFields(BaseModel):
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    seed: int | None = Field(None, ge=0)
+    seed: int | None = Field(None, ge=0, lt=2**64)
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
     n: Literal[1] = 1
     stream: bool = False

@@ -76,12 +76,12 @@ class SpecSetup:
     shared: SharedState | None = None
 
 
-def _draft_sampler(setup: SpecSetup, offset: int) -> Sampler | None:
+def _draft_sampler(setup: SpecSetup, stream: int) -> Sampler | None:
     """For rejection verification a model drafts by sampling from its own distribution, with its
-    own stream of draws (one offset per strategy)."""
+    own stream of draws (one spawned stream per strategy, see `Sampler`)."""
     if setup.verify != "rejection":
         return None
-    return Sampler(replace(setup.sampling, seed=(setup.seed + offset) % 2**32))
+    return Sampler(replace(setup.sampling, seed=setup.seed), stream)
 
 
 def _build_draft_model(setup: SpecSetup) -> Strategy:
