@@ -246,6 +246,7 @@ BAD_COMPLETIONS = {
     "n 2": ({"prompt": "x", "n": 2}, 400, "n", "literal_error"),
     "top_p 0": ({"prompt": "x", "top_p": 0}, 400, "top_p", "greater_than"),
     "negative seed": ({"prompt": "x", "seed": -1}, 400, "seed", "greater_than_equal"),
+    "seed 2^64": ({"prompt": "x", "seed": 2**64}, 400, "seed", "less_than"),
     "five stop strings": ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "too_long"),
     "infinite temperature": (b'{"prompt": "x", "temperature": 1e999}', 400, None, None),
 }

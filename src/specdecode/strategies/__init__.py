@@ -47,17 +47,19 @@ class NgramSettings:
 class SharedState:
     """What outlives a generation and is shared by all of them: the ngram-mod pool and the
     ngram-cache files. Loading happens here, once, so a bad file fails before any work.
-    `lock` serialises the strategies that touch it, for generations running in parallel threads."""
+    `lock` serialises the strategies that touch it, for generations running in parallel threads.
+    vocab_size: the target's; cache files naming ids past it are refused."""
 
-    def __init__(self, settings: NgramSettings, names: list[str]) -> None:
+    def __init__(self, settings: NgramSettings, names: list[str], vocab_size: int | None = None) -> None:
         self.lock = threading.Lock()
         self.mod_pool = NgramModPool(settings.mod.n_match) if "ngram-mod" in names else None
         uses_cache = "ngram-cache" in names
-        self.cache_static = load(settings.cache_static) if uses_cache and settings.cache_static else None
+        static = settings.cache_static
+        self.cache_static = load(static, vocab_size) if uses_cache and static else None
         self.cache_dynamic: NgramCache | None = None
         if uses_cache and settings.cache_dynamic:
             path = settings.cache_dynamic
-            self.cache_dynamic = load(path) if path.exists() else {}  # absent: created at the end
+            self.cache_dynamic = load(path, vocab_size) if path.exists() else {}  # absent: created at the end
 
 
 @dataclass(frozen=True)
