@@ -7,6 +7,7 @@ made per use (`ModelZoo.backend`), so tests never see each other's cache state.
 
 from __future__ import annotations
 
+import copy
 import difflib
 import functools
 import inspect
@@ -132,6 +133,12 @@ def draft_model(spec: TargetSpec, kind: float | str, draft_seed: int = 1) -> Lla
     if isinstance(kind, str) and kind.startswith("truncated:"):
         return truncated_copy(target, int(kind.split(":")[1]))
     return perturbed_copy(target, float(kind), seed=draft_seed)
+
+
+@functools.cache
+def in_dtype(model: LlamaForCausalLM, dtype: torch.dtype) -> LlamaForCausalLM:
+    """A copy of a cached model in another dtype, made once."""
+    return copy.deepcopy(model).to(dtype)
 
 
 @dataclass
