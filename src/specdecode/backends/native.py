@@ -136,17 +136,20 @@ def invariance_plan(weight: torch.Tensor, bias: torch.Tensor | None) -> Plan:
     stands in for the weight (and zeros for the bias)."""
     probe_weight, probe = _order_probe(weight)
     probe_bias = None if bias is None else torch.zeros_like(bias)
-    candidates = []
-    for slices in (1, *SLICE_COUNTS):
-        if weight.shape[1] % slices == 0:
-            product = Projection(probe_weight, probe_bias, Plan(slices)).product
-            candidates += [Plan(slices, low, high) for low, high in _bands(product, probe)]
-    whole = [plan for plan in candidates if plan.min_rows == 1 and plan.max_rows == INVARIANT_ROWS]
-    banded = sorted((p for p in candidates if p not in whole), key=lambda p: (p.cost(), p.slices))
-    for plan in [*whole, *banded]:
-        if _rows_match(Projection(probe_weight, probe_bias, plan), probe):
-            return plan
-    return ROW_BY_ROW
+    slice_counts = [slices for slices in (1, *SLICE_COUNTS) if weight.shape[1] % slices == 0]
+    for slices in slice_counts:
+        if _rows_match(Projection(probe_weight, probe_bias, Plan(slices)), probe):
+            return Plan(slices)
+    best = ROW_BY_ROW
+    for slices in slice_counts:
+        if Plan(slices).cost() >= best.cost():
+            break  # one product per pass is the least a plan of this many slices costs
+        product = Projection(probe_weight, probe_bias, Plan(slices)).product
+        for plan in sorted((Plan(slices, low, high) for low, high in _bands(product, probe)), key=Plan.cost):
+            if plan.cost() < best.cost() and _rows_match(Projection(probe_weight, probe_bias, plan), probe):
+                best = plan
+                break
+    return best
 
 
 def _bands(product, probe: torch.Tensor) -> list[tuple[int, int]]:
@@ -186,9 +189,14 @@ def _order_probe(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _rows_match(product, x: torch.Tensor) -> bool:
-    """Whether `product` gives the rows of x, taken together, the bits it gives each alone."""
-    alone = torch.cat([product(row) for row in x.split(1)])
-    return all(torch.equal(product(x[:rows]), alone[:rows]) for rows in PROBE_ROWS if rows <= len(x))
+    """Whether `product` gives the rows of x, taken together, the bits it gives each alone
+    (rows alone computed as far as the row counts tried need them: a mismatch ends early)."""
+    alone: list[torch.Tensor] = []
+    for rows in PROBE_ROWS:
+        alone += [product(row) for row in x[len(alone) : rows].split(1)]
+        if not torch.equal(product(x[:rows]), torch.cat(alone)):
+            return False
+    return True
 
 
 @dataclass
