@@ -42,8 +42,8 @@ STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
 INVARIANT_DTYPES = frozenset({torch.bfloat16, torch.float16, torch.float32, torch.float64})
 INVARIANT_ROWS = 128  # passes up to this many rows are row-invariant
 # Row counts the probes try: every count of a default verify pass (up to 16 drafted tokens + 1),
-# where kernels switch at counts that depend on K (MKL's float32 GEMM: after 2, 4, 5, 10 or 15
-# rows), then both sides of the powers of two.
+# where kernels switch at counts that depend on K (MKL's float32 GEMM: after 1 row, then after
+# 2, 4, 5, 10 or 15), then both sides of the powers of two.
 PROBE_ROWS = (*range(1, 18), 31, 32, 33, 63, 64, 65, 127, 128)
 SLICE_COUNTS = (2, 4, 8)
 # When plans are compared: a product's fixed cost in rows (a float32 GEMM of a few rows costs
