@@ -7,6 +7,7 @@ made per use (`ModelZoo.backend`), so tests never see each other's cache state.
 
 from __future__ import annotations
 
+import copy
 import difflib
 import functools
 import inspect
@@ -135,11 +136,18 @@ def draft_model(spec: TargetSpec, kind: float | str, draft_seed: int = 1) -> Lla
     return perturbed_copy(target, float(kind), seed=draft_seed)
 
 
+@functools.cache
+def in_dtype(model: LlamaForCausalLM, dtype: torch.dtype) -> LlamaForCausalLM:
+    """A copy of a cached model in another dtype, made once."""
+    return copy.deepcopy(model).to(dtype)
+
+
 @dataclass
 class ExactnessLog:
     """What the exactness tests ran, for the terminal summary (and the report)."""
 
     cases: Counter[str] = field(default_factory=Counter)
+    dtypes: Counter[str] = field(default_factory=Counter)  # cases by the target's dtype
     drafted: int = 0
     accepted: int = 0
     by_kind: dict[str, list[int]] = field(default_factory=dict)  # kind -> [drafted, accepted]
@@ -147,8 +155,9 @@ class ExactnessLog:
     accepting: int = 0  # cases where at least one draft token was accepted
     rejecting: int = 0  # cases where at least one draft token was rejected
 
-    def record(self, test: str, kind: str, stats, stop_reason: str = "") -> None:
+    def record(self, test: str, kind: str, stats, stop_reason: str = "", dtype: str = "float64") -> None:
         self.cases[test] += 1
+        self.dtypes[dtype] += 1
         self.drafted += stats.totals.n_drafted
         self.accepted += stats.totals.n_accepted
         entry = self.by_kind.setdefault(f"{test.split('/')[0]:<20} draft {kind}", [0, 0])
@@ -178,6 +187,9 @@ def pytest_terminal_summary(terminalreporter) -> None:
         f"{total} cases compared with plain generation; drafted {log.drafted}, accepted "
         f"{log.accepted} ({100 * rate:.1f}%); {log.accepting} cases accepted drafts, "
         f"{log.rejecting} rejected some; {log.eos_stops} ended at EOS"
+    )
+    terminalreporter.write_line(
+        "by dtype: " + ", ".join(f"{dtype} {count}" for dtype, count in log.dtypes.most_common())
     )
     for name, count in sorted(log.cases.items()):
         terminalreporter.write_line(f"  {name}: {count}")

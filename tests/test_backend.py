@@ -357,8 +357,13 @@ def test_unknown_dtype(saved_model_dir, dtype):
     assert "unknown dtype" in message and "float32" in message
 
 
-def test_load_bad_batch_size(saved_model_dir):
-    assert "batch size" in load_error(saved_model_dir, LoadOptions(n_batch=0))
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [({"n_batch": 0}, "batch size"), ({"n_ctx": -5}, "context size"), ({"threads": -1}, "thread count")],
+)
+def test_load_options_refuse_bad_sizes(options, message):
+    with pytest.raises(SpecdecodeError, match=message):
+        LoadOptions(**options)
 
 
 def test_pipeline_load_reports_a_bad_draft(saved_model_dir, tmp_path):

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from specdecode import DraftModelConfig, GenerationConfig, Pipeline, SamplingParams
 from specdecode.chain import Chain
+from specdecode.errors import SpecdecodeError
 from specdecode.generate import Generation
 from specdecode.sampling import Sampler
 from specdecode.strategies import Draft
@@ -302,3 +303,80 @@ def test_end_runs_when_the_consumer_stops_early(zoo):
     assert strategy.named("end") == [("end",)]
     assert generation.stats.stop_reason == "abandoned"
     assert generation.stats.t_generation > 0
+
+
+# --------------------------------------------------------------------------- failing strategies
+
+
+class FailingStrategy(FakeStrategy):
+    """A FakeStrategy whose `call` raises `error` on its `after`-th call of that kind."""
+
+    def __init__(self, name: str, call: str, error: BaseException, after: int = 1, **kwargs) -> None:
+        super().__init__(name, **kwargs)
+        self.call, self.error, self.after = call, error, after
+
+    def _maybe_fail(self, call: str) -> None:
+        if call == self.call and len(self.named(call)) == self.after:
+            raise self.error
+
+    def begin(self, prompt: Sequence[int]) -> None:
+        super().begin(prompt)
+        self._maybe_fail("begin")
+
+    def draft(self, history: Sequence[int], last: int, n_max: int) -> Draft:
+        draft = super().draft(history, last, n_max)
+        self._maybe_fail("draft")
+        return draft
+
+    def accept(self, n_accepted: int) -> None:
+        super().accept(n_accepted)
+        self._maybe_fail("accept")
+
+
+@pytest.mark.parametrize(("call", "after"), [("begin", 1), ("draft", 1), ("draft", 3), ("accept", 2)])
+def test_a_failing_strategy_is_no_draft_counted_warned_and_called_no_more(zoo, call, after):
+    """Output is plain output; the strategy is not called again, not even to persist (end);
+    the rest of the chain drafts on."""
+    spec = TargetSpec(seed=0, hidden=16, layers=1)
+    prompt = list(range(30, 45))
+    reference = _plain_tokens(zoo, spec, prompt, 24)
+    error = IndexError("index 900 is out of bounds")
+    failing = FailingStrategy("failing", call, error, after, propose=_oracle(prompt, reference, None, 3))
+    other = FakeStrategy("other", propose=_oracle(prompt, reference, 1, 4))
+    generation = Generation(
+        zoo.backend(zoo.target(spec)),
+        Chain([failing, other]),
+        Sampler(GREEDY),
+        GenerationConfig(n_predict=24, ignore_eos=True),
+        prompt,
+    )
+    with pytest.warns(RuntimeWarning, match=f"strategy failing failed in {call} .IndexError: index 900"):
+        list(generation)
+    assert generation.tokens == reference
+    failed, fine = generation.stats.strategies
+    assert (failed.n_failed, fine.n_failed) == (1, 0)
+    assert len(failing.named(call)) == after
+    assert failing.named("end") == [] and other.named("end") == [("end",)]
+    assert failing.calls[-1][0] == call  # nothing after the failure
+    assert fine.n_gen_drafts > 0
+    assert "FAILED 1x" in generation.stats.format()
+
+
+@pytest.mark.parametrize(
+    "error", [SpecdecodeError("a refusal of the user's settings"), MemoryError(), torch.OutOfMemoryError()]
+)
+@pytest.mark.parametrize("call", ["begin", "draft", "accept"])
+def test_refusals_and_exhaustion_are_not_the_strategys_and_propagate(zoo, error, call):
+    spec = TargetSpec(seed=0, hidden=16, layers=1)
+    prompt = list(range(30, 45))
+    reference = _plain_tokens(zoo, spec, prompt, 12)
+    strategy = FailingStrategy("failing", call, error, propose=_oracle(prompt, reference, None, 3))
+    generation = Generation(
+        zoo.backend(zoo.target(spec)),
+        Chain([strategy]),
+        Sampler(GREEDY),
+        GenerationConfig(n_predict=12, ignore_eos=True),
+        prompt,
+    )
+    with pytest.raises(type(error)):
+        list(generation)

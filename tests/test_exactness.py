@@ -1,34 +1,42 @@
 """Speculative generation is lossless: it emits exactly what plain generation emits.
 
 Property tests over random tiny float64 Llama pairs (float64 so that the different batch
-shapes of plain and speculative passes cannot flip an argmax by rounding). Every case is
-compared token for token, text and stop reason included, with plain generation of the same
-target; `conftest.EXACTNESS_LOG` counts the cases and the acceptance they saw, printed in
+shapes of plain and speculative passes cannot flip an argmax by rounding), and over float32
+copies of them on the native backend, whose passes are row-invariant in every dtype: there a
+verify pass gives each row the bits plain generation's one-row pass gives it, so even a draw
+at a distribution's boundary cannot tell them apart. Every case is compared token for token,
+text and stop reason included, with plain generation of the same target;
+`conftest.EXACTNESS_LOG` counts the cases (by dtype) and the acceptance they saw, printed in
 the terminal summary.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
 from conftest import (
     INDEPENDENT,
     NOISES,
+    OTHER_VOCAB_SIZE,
     VOCAB_SIZE,
     TargetSpec,
     cached_tokenizer,
     eagle3_head,
     eagle3_target,
+    in_dtype,
     target_model,
 )
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from specdecode import DraftModelConfig, GenerationConfig, HFBackend, Pipeline, SamplingParams
+from specdecode.backends.native import NativeBackend
 from specdecode.sampling import Sampler, greedy_token
-from specdecode.testing import perturbed_copy, truncated_copy
+from specdecode.strategies import NgramMapConfig, NgramModConfig, NgramSettings
+from specdecode.testing import make_llama, perturbed_copy, truncated_copy
 
 GREEDY = SamplingParams(temperature=0)
 DRAFT_KINDS = (*NOISES, INDEPENDENT)
@@ -269,6 +277,95 @@ def test_eagle3_speculation_equals_plain(
     result = pipe.generate(prompt, sampling, config)
     check_same(result, expected)
     exactness_log.record(f"eagle3/{verify}", ",".join(types), result.stats, result.stats.stop_reason)
+
+
+# --------------------------------------------------------------------------- float32, native backend
+
+TRANSLATED = "translated"
+NATIVE_CHAINS = (
+    ["draft"],
+    ["draft"],
+    ["ngram-simple", "draft"],
+    ["ngram-map-k", "ngram-cache", "draft"],
+    ["ngram-map-k4v", "ngram-mod", "draft"],
+    ["ngram-mod"],
+)
+# Keyed on one or two tokens, so that the n-gram strategies find matches in random models' output.
+SHORT_NGRAMS = NgramSettings(
+    simple=NgramMapConfig(size_n=2, size_m=12),
+    map_k=NgramMapConfig(size_n=1, size_m=8),
+    map_k4v=NgramMapConfig(size_n=1, size_m=8),
+    mod=NgramModConfig(n_match=1, n_min=1, n_max=24),
+)
+native_penalties = st.sampled_from(
+    [{}, {}, {"presence_penalty": 0.5}, {"repeat_penalty": 1.3}, {"frequency_penalty": 0.5, "top_k": 3}]
+)
+
+
+@functools.cache
+def other_vocab_draft(dtype: torch.dtype):
+    """A model of another tokenizer (384 ids, other text): a draft through text translation."""
+    return make_llama(OTHER_VOCAB_SIZE, hidden=16, layers=1, init_std=0.5, seed=21).to(dtype)
+
+
+def native_draft(zoo, spec: TargetSpec, kind) -> NativeBackend:
+    if kind == TRANSLATED:
+        return NativeBackend(other_vocab_draft(torch.float32), cached_tokenizer(OTHER_VOCAB_SIZE, "difflib"))
+    return NativeBackend(in_dtype(zoo.draft(spec, kind), torch.float32), cached_tokenizer())
+
+
+@settings(max_examples=150, **SETTINGS)
+@given(
+    spec=target_specs,
+    kind=st.sampled_from([*WEIGHTED_KINDS, TRANSLATED]),
+    types=st.sampled_from(NATIVE_CHAINS),
+    prompt=prompts,
+    draft_config=draft_configs,
+    n_predict=n_predicts,
+    ignore_eos=st.booleans(),
+    temperature=st.sampled_from([0.0, 0.0, 0.8, 1.7, 1.7]),
+    penalty=native_penalties,
+    seed=st.integers(0, 2**64 - 1),
+    verify=st.sampled_from(["match", "rejection"]),
+    stop=st.sampled_from([(), (), ("e",)]),
+)
+def test_native_float32_speculation_equals_plain(
+    zoo,
+    exactness_log,
+    spec,
+    kind,
+    types,
+    prompt,
+    draft_config,
+    n_predict,
+    ignore_eos,
+    temperature,
+    penalty,
+    seed,
+    verify,
+    stop,
+):
+    """float32 on the native backend, greedy or seeded `match` up to temperature 1.7, with
+    penalties, chains of n-gram strategies and the draft model (also through translation)."""
+    if temperature > 0:
+        verify = "match"  # rejection sampling keeps the distribution, not the tokens
+    sampling = SamplingParams(temperature=temperature, seed=seed, **penalty)
+    config = GenerationConfig(n_predict=n_predict, ignore_eos=ignore_eos, verify=verify, stop=stop)
+    target = in_dtype(zoo.target(spec), torch.float32)
+    expected = Pipeline(NativeBackend(target, cached_tokenizer())).generate(prompt, sampling, config)
+    pipe = Pipeline(
+        NativeBackend(target, cached_tokenizer()),
+        native_draft(zoo, spec, kind),
+        spec_types=types,
+        draft_config=draft_config,
+        ngram=SHORT_NGRAMS,
+        replacements=[("    ", "\t")] if kind == TRANSLATED else None,
+    )
+    result = pipe.generate(prompt, sampling, config)
+    check_same(result, expected)
+    assert all(s.n_failed == 0 for s in result.stats.strategies)
+    label = f"float32/{verify if temperature == 0 else 'sampled'}"
+    exactness_log.record(label, str(kind), result.stats, result.stats.stop_reason, dtype="float32")
 
 
 # --------------------------------------------------------------------------- deterministic cases

@@ -50,7 +50,12 @@ def support(probs: torch.Tensor) -> set[int]:
         ("repeat_penalty", 0.0),
         ("repeat_penalty", -1.0),
         ("repeat_last_n", -2),
+        ("presence_penalty", math.nan),
+        ("presence_penalty", -math.inf),
+        ("frequency_penalty", math.inf),
+        ("frequency_penalty", math.nan),
         ("seed", -1),
+        ("seed", 2**64),
     ],
 )
 def test_sampling_params_rejects_bad_values(field, value):
@@ -73,6 +78,8 @@ def test_sampling_params_rejects_bad_values(field, value):
         ("repeat_last_n", 0),
         ("seed", 0),
         ("seed", 2**32 - 1),
+        ("seed", 2**64 - 1),
+        ("presence_penalty", -2.0),
     ],
 )
 def test_sampling_params_accepts_boundary_values(field, value):
@@ -376,6 +383,27 @@ def test_uniform_stream_is_numpy_default_rng():
     sampler = Sampler(params(seed=7))
     reference = np.random.default_rng(7)
     assert [sampler.uniform() for _ in range(10)] == [float(reference.random()) for _ in range(10)]
+
+
+def draws(sampler: Sampler, n: int = 8) -> list[float]:
+    return [sampler.uniform() for _ in range(n)]
+
+
+@pytest.mark.parametrize("seed", [0, 7, 2**32 - 1, 2**64 - 1])
+def test_spawned_streams_are_independent_of_neighbouring_seeds(seed):
+    """The draft's and the EAGLE-3 head's streams (1, 2) share draws with no seed's own stream
+    (seed + 1 as a seed gave the draft the next seed's plain draws), nor with each other; the
+    seed's own stream (0) stays numpy's default_rng(seed), plain generation's."""
+    p = params(temperature=0.9, seed=seed)
+    own, draft, head = (draws(Sampler(p, stream)) for stream in (0, 1, 2))
+    assert own == [float(x) for x in np.random.default_rng(seed).random(8)]
+    nearby = [s for s in range(seed - 2, seed + 3) if s != seed and 0 <= s < 2**64]
+    neighbours = [draws(Sampler(params(temperature=0.9, seed=s))) for s in nearby]
+    for stream in (draft, head):
+        assert stream not in neighbours and stream != own
+        assert not set(stream) & {x for n in neighbours for x in n}
+    assert draft != head
+    assert draws(Sampler(p, 1)) == draft  # reproducible
 
 
 @pytest.mark.parametrize(

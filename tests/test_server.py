@@ -350,6 +350,7 @@ BAD_COMPLETIONS = {
     "logprobs": ({"prompt": "x", "logprobs": 2}, 400, "logprobs", "unsupported"),
     "top_p 0": ({"prompt": "x", "top_p": 0}, 400, "top_p", "greater_than"),
     "negative seed": ({"prompt": "x", "seed": -1}, 400, "seed", "greater_than_equal"),
+    "seed 2^64": ({"prompt": "x", "seed": 2**64}, 400, "seed", "less_than"),
     "five stop strings": ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "too_long"),
     "infinite temperature": (b'{"prompt": "x", "temperature": 1e999}', 400, None, None),
     "JSON nested 1000 deep": (b'{"prompt": ' + b"[" * 1000 + b"]" * 1000 + b"}", 400, None, "json_invalid"),

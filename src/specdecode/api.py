@@ -73,7 +73,7 @@ class Pipeline:
             raise SpecdecodeError("--spec-type draft needs a draft model (-md DIR)")
         if "eagle3" in self.spec_types and eagle3 is None:
             raise SpecdecodeError("--spec-type eagle3 needs an EAGLE-3 head (-me DIR)")
-        self.shared = shared if shared is not None else SharedState(ngram, self.spec_types)
+        self.shared = shared if shared is not None else SharedState(ngram, self.spec_types, target.vocab.size)
 
     @classmethod
     def load(

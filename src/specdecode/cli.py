@@ -237,6 +237,15 @@ def draft_config(args: argparse.Namespace) -> DraftModelConfig:
 
 def load_options(args: argparse.Namespace) -> tuple[LoadOptions, LoadOptions]:
     """The target's and the draft's loading options (the draft's default to the target's)."""
+    for flag, value, least in (
+        ("-c/--ctx-size", args.ctx_size, 0),
+        ("-cd/--ctx-size-draft", args.ctx_size_draft, 0),
+        ("-b/--batch-size", args.batch_size, 1),
+        ("-t/--threads", args.threads, 1),
+        ("-td/--threads-draft", args.threads_draft, 1),
+    ):
+        if value is not None and value < least:
+            raise SpecdecodeError(f"{flag} must be >= {least}, not {value}")
     target = LoadOptions(
         args.device, args.dtype, args.threads, args.ctx_size, args.batch_size, backend=args.backend
     )
@@ -275,9 +284,14 @@ def pipeline_from_args(args: argparse.Namespace) -> Pipeline:
 
 def read_prompt(args: argparse.Namespace) -> str:
     if args.file is not None:
-        return read_text_file(args.file, "prompt file")
+        prompt = read_text_file(args.file, "prompt file")
+        if not prompt:
+            raise SpecdecodeError(f"the prompt file {args.file} is empty")
+        return prompt
     if args.prompt is None:
         raise SpecdecodeError("no prompt: pass -p TEXT or -f FILE")
+    if not args.prompt:
+        raise SpecdecodeError('the prompt is empty (-p "")')
     return args.prompt
 
 

@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -176,6 +177,9 @@ def format_stats(result: LookupStats) -> str:
 
 
 def _run_create(args: argparse.Namespace) -> None:
+    output = args.lookup_cache_static
+    if output.exists() and args.file.exists() and os.path.samefile(output, args.file):
+        raise SpecdecodeError(f"-lcs {output} is the same file as the corpus -f: it would be overwritten")
     cache = create(load_tokenizer(args.model), read_text_file(args.file, "text file"))
     if not cache:
         raise SpecdecodeError(f"{args.file} is too short: fewer than 3 tokens, so no 2-gram has a follower")

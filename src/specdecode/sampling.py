@@ -41,7 +41,9 @@ class SamplingParams:
             (0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]"),
             (self.repeat_penalty > 0.0, "repeat_penalty must be > 0 (1 disables it)"),
             (self.repeat_last_n >= -1, "repeat_last_n must be >= -1 (-1 = whole context)"),
-            (self.seed is None or self.seed >= 0, "seed must be >= 0"),
+            (math.isfinite(self.presence_penalty), "presence_penalty must be a finite number"),
+            (math.isfinite(self.frequency_penalty), "frequency_penalty must be a finite number"),
+            (self.seed is None or 0 <= self.seed < 2**64, "seed must be in [0, 2^64)"),
         ]
         for ok, message in checks:
             if not ok:
@@ -112,10 +114,14 @@ def distribution(logits: torch.Tensor, params: SamplingParams, history: Sequence
 class Sampler:
     """Draws tokens with a seeded generator; one uniform draw per sampled token (none when greedy)."""
 
-    def __init__(self, params: SamplingParams) -> None:
+    def __init__(self, params: SamplingParams, stream: int = 0) -> None:
+        """stream: 0, the seed's own stream (plain generation's); k > 0, the k-th stream spawned
+        from the seed (numpy's SeedSequence), independent of every seed's own stream and of the
+        other spawned ones, which seed + k would not be (it is the next seed's own stream)."""
         self.params = params
         self.seed = params.seed if params.seed is not None else int(np.random.SeedSequence().entropy % 2**32)
-        self._rng = np.random.default_rng(self.seed)
+        entropy = self.seed if stream == 0 else np.random.SeedSequence(self.seed, spawn_key=(stream - 1,))
+        self._rng = np.random.default_rng(entropy)
 
     def uniform(self) -> float:
         """One draw from U[0, 1)."""

@@ -80,6 +80,7 @@ class StrategyStats:
     n_call_accept: int = 0
     n_gen_drafts: int = 0
     n_gen_tokens: int = 0
+    n_failed: int = 0  # calls that raised (see `specdecode.chain`): the strategy then stops
     counts: DraftCounts = field(default_factory=DraftCounts)
     t_begin: float = 0.0
     t_draft: float = 0.0
@@ -172,4 +173,5 @@ def _strategy_line(s: StrategyStats) -> str:
         f"drafts gen/acc = {s.n_gen_drafts}/{c.n_drafts_accepted}, tokens gen/acc = "
         f"{s.n_gen_tokens}/{c.n_accepted} ({100 * c.acceptance_rate:.1f}%), "
         f"time(b,d,a) = {1e3 * s.t_begin:.1f}, {1e3 * s.t_draft:.1f}, {1e3 * s.t_accept:.1f} ms"
+        + (f", FAILED {s.n_failed}x" if s.n_failed else "")
     )

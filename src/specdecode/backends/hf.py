@@ -15,6 +15,7 @@ from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
+    Cache,
     DynamicCache,
     PreTrainedModel,
     PreTrainedTokenizerBase,
@@ -44,6 +45,14 @@ class LoadOptions:
     n_ctx: int = 0
     n_batch: int = 512
     backend: str = "auto"  # "auto": native for the model types it runs, else "hf" (see load_backend)
+
+    def __post_init__(self) -> None:
+        if self.n_ctx < 0:
+            raise SpecdecodeError(f"the context size must be >= 0 (0: the model's own), not {self.n_ctx}")
+        if self.n_batch < 1:
+            raise SpecdecodeError(f"the batch size must be >= 1, not {self.n_batch}")
+        if self.threads is not None and self.threads < 1:
+            raise SpecdecodeError(f"the thread count must be >= 1, not {self.threads}")
 
 
 class HFBackend:
@@ -107,8 +116,10 @@ class HFBackend:
                 f"the weights in {directory} do not fit its config: {len(missing)} tensors missing "
                 f"(e.g. {', '.join(missing[:3])})"
             )
+        model = model.to(device)
+        check_loaded_model(model, tokenizer, directory)
         return cls(
-            model.to(device),
+            model,
             tokenizer,
             n_ctx=options.n_ctx,
             n_batch=options.n_batch,
@@ -339,14 +350,43 @@ def _check_device(device: str) -> torch.device:
 def load_model_config(directory: Path):
     try:
         config = AutoConfig.from_pretrained(directory, local_files_only=True)
-    except (OSError, ValueError, KeyError, json.JSONDecodeError) as exc:
-        raise SpecdecodeError(f"cannot read {directory / 'config.json'}: {exc}") from None
+    except Exception as exc:  # unreadable JSON, unknown types, and transformers' own validation
+        message = str(exc).strip().splitlines()[-1].strip() if str(exc).strip() else type(exc).__name__
+        raise SpecdecodeError(f"cannot read {directory / 'config.json'}: {message}") from None
     if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
         raise SpecdecodeError(
             f"{directory} is not a causal language model (model_type {config.model_type!r} "
             "has no causal-LM head in transformers)"
         )
+    if getattr(config, "num_hidden_layers", 1) < 1:
+        raise SpecdecodeError(f"{directory} describes a model with no layers (num_hidden_layers 0)")
     return config
+
+
+@torch.inference_mode()
+def check_loaded_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, directory: Path) -> None:
+    """Refuse what would fail or go wrong only mid-generation: a tokenizer with ids past the
+    embedding (an IndexError on the first such id), and a model that returns no usable KV cache
+    (an encoder such as BERT, which transformers also lists among causal LMs: without a cache,
+    every pass after the first would see no context, and a rollback would fail)."""
+    rows = int(model.get_input_embeddings().weight.shape[0])
+    if len(tokenizer) > rows:
+        raise SpecdecodeError(
+            f"{directory}: the tokenizer has {len(tokenizer)} ids but the model's embedding only {rows} "
+            f"rows (ids {rows}..{len(tokenizer) - 1} would index past it)"
+        )
+    first = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else 0
+    ids = torch.tensor([[first]], device=next(model.parameters()).device)
+    try:
+        cache = model(input_ids=ids, past_key_values=DynamicCache(config=model.config), use_cache=True)
+        cache = cache.past_key_values
+    except Exception as exc:  # a model that cannot even run one token with a cache
+        raise SpecdecodeError(f"{directory}: the model cannot run with a KV cache ({exc})") from None
+    if not isinstance(cache, Cache) or cache.get_seq_length() != 1:
+        raise SpecdecodeError(
+            f"{directory} is not a causal language model: it returns no usable KV cache "
+            f"(model_type {model.config.model_type!r})"
+        )
 
 
 def load_tokenizer(directory: str | Path) -> PreTrainedTokenizerBase:

@@ -7,16 +7,19 @@ a preallocated KV cache that rolls back by a length, with q/k/v and gate/up fuse
 product each (gpt-fast's recipe).
 
 Why row-invariance: a verify pass scores k+1 rows at once where plain generation scores one
-row per pass. In half precision the library's kernels may give a row different bits depending
-on how many rows share the product (they pick other blockings), and a one-ulp difference in
-bfloat16 is large enough to flip an argmax now and then: speculative output would then drift
-from plain output. So in half precision every pass of up to INVARIANT_ROWS rows gives each row
-exactly the bits it gets alone. Attention runs one query row at a time (the very call a
-one-row pass makes), and each projection shape is checked when the model is loaded: rows alone
-against rows together, on a probe built so that any change in the order of summation shows
-(see `_order_probe`). A projection that fails is computed as a sum of K-slices that pass (in
-float32), or, failing that, one row at a time. In float32 and float64 the kernels differ only
-in the last bits, far below the logit gaps decoding turns on, and the passes run batched.
+row per pass. The library's kernels may give a row different bits depending on how many rows
+share the product (they pick other blockings, or another kernel altogether for one row), and a
+sampled token whose draw falls near a boundary of its distribution, or a greedy near-tie, flips
+on a one-ulp difference: speculative output would then drift from plain output. That is most
+visible in bfloat16, but float32 and float64 kernels do it too (one row of a float32 product is
+a GEMV, several a GEMM, summed in another order). So in every dtype, every pass of up to
+INVARIANT_ROWS rows gives each row exactly the bits it gets alone. Attention runs one query row
+at a time (the very call a one-row pass makes), and each projection shape is checked when the
+model is loaded: rows alone against rows together, on a probe built so that any change in the
+order of summation shows (see `_order_probe`). A projection runs as one product where that
+passes; else as the cheapest `Plan` that passes: a sum of K-slices (in float32 at least),
+products of a band of row counts whose kernels agree (a shorter pass padded with zero rows, a
+longer one split), or, failing all, one row at a time.
 """
 
 from __future__ import annotations
@@ -36,10 +39,19 @@ from specdecode.errors import SpecdecodeError
 
 NATIVE_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
 STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
-HALF_DTYPES = frozenset({torch.bfloat16, torch.float16})
-INVARIANT_ROWS = 128  # passes up to this many rows are row-invariant in half precision
-PROBE_ROWS = (2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128)
+# The dtypes whose passes are made row-invariant: every dtype the backend loads.
+INVARIANT_DTYPES = frozenset({torch.bfloat16, torch.float16, torch.float32, torch.float64})
+INVARIANT_ROWS = 128  # passes up to this many rows are row-invariant
+# Row counts the probes try: every count of a default verify pass (up to 16 drafted tokens + 1),
+# where kernels switch at counts that depend on K (MKL's float32 GEMM: after 1 row, then after
+# 2, 4, 5, 10 or 15), then both sides of the powers of two.
+PROBE_ROWS = (*range(1, 18), 31, 32, 33, 63, 64, 65, 127, 128)
 SLICE_COUNTS = (2, 4, 8)
+# When plans are compared: a product's fixed cost in rows (a float32 GEMM of a few rows costs
+# about as much as 4-5 more rows on this project's CPU), and the pass sizes weighed: 1 to 17
+# rows, the one-row pass (every pass of plain generation and of drafting) counted 16 times.
+PRODUCT_COST_ROWS = 4
+COST_PASSES = (*[1] * 16, *range(2, 18))
 
 
 def native_unsupported(config) -> str | None:
@@ -64,47 +76,94 @@ def native_unsupported(config) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class Plan:
+    """How a projection computes a pass of up to INVARIANT_ROWS rows: `slices` products over
+    K-slices, summed in float32 at least (1: one product), each of min_rows to max_rows rows (a
+    shorter pass is padded with zero rows, a longer one split). Plan(max_rows=1): row by row."""
+
+    slices: int = 1
+    min_rows: int = 1
+    max_rows: int = INVARIANT_ROWS
+
+    def cost(self) -> int:
+        """What the COST_PASSES cost, in rows (see PRODUCT_COST_ROWS)."""
+        total = 0
+        for rows in COST_PASSES:
+            parts = [min(self.max_rows, rows - start) for start in range(0, rows, self.max_rows)]
+            total += sum(max(part, self.min_rows) + self.slices * PRODUCT_COST_ROWS for part in parts)
+        return total
+
+
+ONE_PRODUCT = Plan()
+ROW_BY_ROW = Plan(max_rows=1)
+
+
 class Projection:
     """x [T, K] -> x W^T + b [T, N], computed as `invariance_plan` decided."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, slices: int = 1) -> None:
-        """slices: 1, one product; c > 1, the sum (in float32) of c products over K-slices;
-        0, one product per row."""
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, plan: Plan = ONE_PRODUCT) -> None:
         self.weight = weight
         self.bias = bias
-        self.row_by_row = slices == 0
+        self.plan = plan
         self.pieces: list[tuple[slice, torch.Tensor]] | None = None
-        if slices > 1:
-            step = weight.shape[1] // slices
+        if plan.slices > 1:
+            step = weight.shape[1] // plan.slices
             parts = [slice(i, i + step) for i in range(0, weight.shape[1], step)]
             self.pieces = [(part, weight[:, part].contiguous()) for part in parts]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.row_by_row and 1 < x.shape[0] <= INVARIANT_ROWS:
-            return torch.cat([self.product(row) for row in x.split(1)])
-        return self.product(x)
+        rows, plan = x.shape[0], self.plan
+        if rows > INVARIANT_ROWS or plan.min_rows <= rows <= plan.max_rows:
+            return self.product(x)
+        if rows < plan.min_rows:
+            return self.product(F.pad(x, (0, 0, 0, plan.min_rows - rows)))[:rows]
+        return torch.cat([self(part) for part in x.split(plan.max_rows)])
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         if self.pieces is None:
             return F.linear(x, self.weight, self.bias)
-        total = sum(F.linear(x[:, part], piece).float() for part, piece in self.pieces)
+        wide = torch.promote_types(x.dtype, torch.float32)
+        total = sum(F.linear(x[:, part], piece).to(wide) for part, piece in self.pieces)
         out = total.to(x.dtype)
         return out if self.bias is None else out + self.bias
 
 
-def invariance_plan(weight: torch.Tensor, bias: torch.Tensor | None) -> int:
-    """The first of: one product (1), a sum over 2, 4 or 8 K-slices, that gives every row of
-    `_order_probe` the same bits in passes of up to INVARIANT_ROWS rows as alone; else 0 (rows
-    one by one, always invariant). The kernels' order of summation follows the shapes, not the
-    values, so the probe stands in for the weight (and zeros for the bias)."""
+def invariance_plan(weight: torch.Tensor, bias: torch.Tensor | None) -> Plan:
+    """A plan that gives every row of `_order_probe` the same bits in passes of up to
+    INVARIANT_ROWS rows as alone: one product (fewest slices first) where the kernels allow it,
+    else the cheapest (`Plan.cost`) of the bands of row counts over which they agree, else row
+    by row. The kernels' order of summation follows the shapes, not the values, so the probe
+    stands in for the weight (and zeros for the bias)."""
     probe_weight, probe = _order_probe(weight)
     probe_bias = None if bias is None else torch.zeros_like(bias)
-    for slices in (1, *SLICE_COUNTS):
-        if weight.shape[1] % slices == 0 and _rows_match(
-            Projection(probe_weight, probe_bias, slices).product, probe
-        ):
-            return slices
-    return 0
+    slice_counts = [slices for slices in (1, *SLICE_COUNTS) if weight.shape[1] % slices == 0]
+    for slices in slice_counts:
+        if _rows_match(Projection(probe_weight, probe_bias, Plan(slices)), probe):
+            return Plan(slices)
+    best = ROW_BY_ROW
+    for slices in slice_counts:
+        if Plan(slices).cost() >= best.cost():
+            break  # one product per pass is the least a plan of this many slices costs
+        product = Projection(probe_weight, probe_bias, Plan(slices)).product
+        for plan in sorted((Plan(slices, low, high) for low, high in _bands(product, probe)), key=Plan.cost):
+            if plan.cost() < best.cost() and _rows_match(Projection(probe_weight, probe_bias, plan), probe):
+                best = plan
+                break
+    return best
+
+
+def _bands(product, probe: torch.Tensor) -> list[tuple[int, int]]:
+    """Runs (first, last) of consecutive PROBE_ROWS counts whose passes give their common rows
+    the same bits: the row counts over which the kernel sums in one order."""
+    outs = [product(probe[:rows]) for rows in PROBE_ROWS]
+    bands, first = [], 0
+    for index in range(1, len(PROBE_ROWS) + 1):
+        previous = PROBE_ROWS[index - 1]
+        if index == len(PROBE_ROWS) or not torch.equal(outs[index][:previous], outs[index - 1]):
+            bands.append((PROBE_ROWS[first], previous))
+            first = index
+    return bands
 
 
 def _order_probe(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,9 +190,14 @@ def _order_probe(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _rows_match(product, x: torch.Tensor) -> bool:
-    """Whether `product` gives the rows of x, taken together, the bits it gives each alone."""
-    alone = torch.cat([product(row) for row in x.split(1)])
-    return all(torch.equal(product(x[:rows]), alone[:rows]) for rows in PROBE_ROWS if rows <= len(x))
+    """Whether `product` gives the rows of x, taken together, the bits it gives each alone
+    (rows alone computed as far as the row counts tried need them: a mismatch ends early)."""
+    alone: list[torch.Tensor] = []
+    for rows in PROBE_ROWS:
+        alone += [product(row) for row in x[len(alone) : rows].split(1)]
+        if not torch.equal(product(x[:rows]), torch.cat(alone)):
+            return False
+    return True
 
 
 @dataclass
@@ -159,7 +223,7 @@ class NativeWeights:
         self.embeddings = decoder.embed_tokens.weight
         self.final_norm = decoder.norm.weight
         self.rotary = decoder.rotary_emb
-        plans: dict[tuple, int] = {}  # one probe per weight shape
+        plans: dict[tuple, Plan] = {}  # one probe per weight shape
         self.layers = [self._layer(layer, invariant, plans) for layer in decoder.layers]
         self.lm_head = self._projection(model.get_output_embeddings().weight, None, invariant, plans)
         self.plans = plans
@@ -210,7 +274,7 @@ def native_weights(model: PreTrainedModel) -> NativeWeights:
     """The arranged weights of `model`, made (and probed) once per model."""
     if model not in _SHARED:
         dtype = next(model.parameters()).dtype
-        _SHARED[model] = NativeWeights(model, invariant=dtype in HALF_DTYPES)
+        _SHARED[model] = NativeWeights(model, invariant=dtype in INVARIANT_DTYPES)
     return _SHARED[model]
 
 
@@ -228,7 +292,7 @@ class KVCache:
         self.keys = torch.empty(shape, dtype=dtype, device=device)
         self.values = torch.empty(shape, dtype=dtype, device=device)
         self.cos = self.sin = torch.empty(0, weights.head_dim, device=device)
-        # Keys and values of pending tree nodes, by node, for passes that attend row by row.
+        # Keys and values of pending tree nodes, by node (see NativeBackend).
         self.node_keys = torch.empty(shape, dtype=dtype, device=device)
         self.node_values = torch.empty(shape, dtype=dtype, device=device)
 
@@ -266,14 +330,13 @@ Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 class NativeBackend(HFBackend):
     """HFBackend's interface and loading, with the native forward (see the module docstring).
 
-    Token trees (`evaluate_tree`): the nodes' rows take positions prefix + depth - 1. Where
-    passes are row-invariant, each node's keys and values are kept by node, and a row attends
-    exactly as a one-row pass over its own path would: the slots after the prefix are a window
-    that holds the row's ancestors (refilled only where the previous row's path differs) and
-    attention runs over prefix + window, the very call of a linear pass. So a node gets the
-    bits a linear pass over its path gives it. Elsewhere the nodes sit after the prefix in node
-    order and one masked attention call serves all rows. `commit` copies the kept path into
-    the slots after the prefix: nothing is evaluated again.
+    Token trees (`evaluate_tree`): the nodes' rows take positions prefix + depth - 1. Each
+    node's keys and values are kept by node, and a row attends exactly as a one-row pass over
+    its own path would: the slots after the prefix are a window that holds the row's ancestors
+    (refilled only where the previous row's path differs) and attention runs over prefix +
+    window, the very call of a linear pass. With the row-invariant projections, a node gets the
+    bits a linear pass over its path gives it. `commit` copies the kept path into the slots
+    after the prefix: nothing is evaluated again.
     """
 
     half_precision_on_cpu = True
@@ -291,7 +354,7 @@ class NativeBackend(HFBackend):
         # Attention runs in float32 at least: one query row at a time (row-invariance), where
         # torch's half-precision kernel is several times slower than its float32 one on CPUs.
         self._kv = KVCache(self.weights, self.n_ctx, torch.promote_types(dtype, torch.float32), self.device)
-        self.invariant = dtype in HALF_DTYPES
+        self.invariant = dtype in INVARIANT_DTYPES
         # Per layer, which node's keys and values fill each slot after the prefix (tree passes).
         self._windows: list[list[int]] = [[] for _ in self.weights.layers]
 
@@ -326,11 +389,8 @@ class NativeBackend(HFBackend):
         self._kv.reserve(prefix + len(self._tree))
         positions = torch.tensor([prefix + self._tree.depths[node] - 1 for node in nodes], device=self.device)
         tokens = torch.tensor(list(ids), dtype=torch.long, device=self.device)
-        if self.invariant:
-            self._kv.reserve_nodes(len(self._tree))
-            attend = self._tree_attention_by_row(prefix, nodes)
-        else:
-            attend = self._tree_attention_masked(prefix, nodes)
+        self._kv.reserve_nodes(len(self._tree))
+        attend = self._tree_attention_by_row(prefix, nodes)
         logits = self._pass(tokens, positions, len(nodes), attend, self._tree_rows)
         return logits if logits.dtype == torch.float64 else logits.float().cpu()
 
@@ -340,13 +400,8 @@ class NativeBackend(HFBackend):
         prefix, kv = len(self._tokens), self._kv
         if path:
             kept = slice(prefix, prefix + len(path))
-            if self.invariant:
-                kv.keys[:, :, kept] = kv.node_keys[:, :, path]
-                kv.values[:, :, kept] = kv.node_values[:, :, path]
-            else:
-                source = torch.tensor([prefix + node for node in path], device=self.device)
-                kv.keys[:, :, kept] = kv.keys[:, :, source]
-                kv.values[:, :, kept] = kv.values[:, :, source]
+            kv.keys[:, :, kept] = kv.node_keys[:, :, path]
+            kv.values[:, :, kept] = kv.node_values[:, :, path]
         self._keep_path(path)
         self._windows = [[] for _ in self.weights.layers]
 
@@ -424,26 +479,6 @@ class NativeBackend(HFBackend):
                         window.append(ancestor)
                 rows.append(self._attend_row(q[:, row : row + 1], keys, values, prefix + len(path)))
             return torch.cat(rows, dim=1)
-
-        return attend
-
-    def _tree_attention_masked(self, prefix: int, nodes: range) -> Attend:
-        """Tree rows together: nodes after the prefix in node order, one masked attention call."""
-        kv = self._kv
-        end = prefix + len(self._tree)
-        visible = self._tree.visibility(nodes, prefix, self.device)  # [T, end]
-        gqa = self.weights.n_kv_heads != self.weights.n_heads
-
-        def attend(index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            kv.keys[index, :, prefix + nodes.start : prefix + nodes.stop] = k
-            kv.values[index, :, prefix + nodes.start : prefix + nodes.stop] = v
-            return F.scaled_dot_product_attention(
-                q[None],
-                kv.keys[None, index, :, :end],
-                kv.values[None, index, :, :end],
-                attn_mask=visible,
-                enable_gqa=gqa,
-            )[0]
 
         return attend
 

@@ -208,11 +208,12 @@ def train_eagle3(
     config: TrainConfig,
     progress: bool = True,
     generated_tokens: int = 0,
+    on_start: Callable[[], None] | None = None,
 ) -> Path:
     """Train a head for the causal LM in target_dir on `tokens` (ids of its tokenizer), or, when
     generated_tokens > 0, on that many tokens the target generates from prefixes of them; write
     config.json, model.safetensors and train_log.json into out_dir, resuming from
-    out_dir/checkpoint/ if present."""
+    out_dir/checkpoint/ if present. on_start: see `lm.train_loop`."""
     if generated_tokens < 0:
         raise SpecdecodeError(f"generated_tokens must be >= 0 (0: the corpus), not {generated_tokens}")
     out_dir = Path(out_dir)
@@ -221,6 +222,7 @@ def train_eagle3(
     vocab_size = teacher.vocab.size
     target = teacher.model.eval().requires_grad_(False)
     lm.check_tokens(tokens, config, vocab_size)
+    head_config(target, shape, min(shape.draft_vocab, vocab_size))  # refused before any generation
     if generated_tokens:
         # one stream, as the corpus is: a window may span the end of one sequence and the next
         sequences = generated_sequences(target, tokens, generated_tokens, out_dir, config.seed, progress)
@@ -234,7 +236,7 @@ def train_eagle3(
     identity["shape"] = asdict(shape) | {"layer_ids": list(head.config.target_layer_ids)}
     positions = int(target.config.max_position_embeddings) - 1  # the target reads T+1 tokens
     log = lm.train_loop(
-        head, ttt_loss(target, shape.unroll), tokens, out_dir, identity, config, progress, positions
+        head, ttt_loss(target, shape.unroll), tokens, out_dir, identity, config, progress, positions, on_start
     )
     head.eval()
     if config.calibration_windows:

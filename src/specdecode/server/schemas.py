@@ -65,7 +65,7 @@ class Sampling(Speculative):
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    seed: int | None = Field(None, ge=0)
+    seed: int | None = Field(None, ge=0, lt=2**64)
     stream: bool = False
 
     def sampling_overrides(self) -> dict[str, Any]:

@@ -47,17 +47,19 @@ class NgramSettings:
 class SharedState:
     """What outlives a generation and is shared by all of them: the ngram-mod pool and the
     ngram-cache files. Loading happens here, once, so a bad file fails before any work.
-    `lock` serialises the strategies that touch it, for generations running in parallel threads."""
+    `lock` serialises the strategies that touch it, for generations running in parallel threads.
+    vocab_size: the target's; cache files naming ids past it are refused."""
 
-    def __init__(self, settings: NgramSettings, names: list[str]) -> None:
+    def __init__(self, settings: NgramSettings, names: list[str], vocab_size: int | None = None) -> None:
         self.lock = threading.Lock()
         self.mod_pool = NgramModPool(settings.mod.n_match) if "ngram-mod" in names else None
         uses_cache = "ngram-cache" in names
-        self.cache_static = load(settings.cache_static) if uses_cache and settings.cache_static else None
+        static = settings.cache_static
+        self.cache_static = load(static, vocab_size) if uses_cache and static else None
         self.cache_dynamic: NgramCache | None = None
         if uses_cache and settings.cache_dynamic:
             path = settings.cache_dynamic
-            self.cache_dynamic = load(path) if path.exists() else {}  # absent: created at the end
+            self.cache_dynamic = load(path, vocab_size) if path.exists() else {}  # absent: created at the end
 
 
 @dataclass(frozen=True)
@@ -76,12 +78,12 @@ class SpecSetup:
     shared: SharedState | None = None
 
 
-def _draft_sampler(setup: SpecSetup, offset: int) -> Sampler | None:
+def _draft_sampler(setup: SpecSetup, stream: int) -> Sampler | None:
     """For rejection verification a model drafts by sampling from its own distribution, with its
-    own stream of draws (one offset per strategy)."""
+    own stream of draws (one spawned stream per strategy, see `Sampler`)."""
     if setup.verify != "rejection":
         return None
-    return Sampler(replace(setup.sampling, seed=(setup.seed + offset) % 2**32))
+    return Sampler(replace(setup.sampling, seed=setup.seed), stream)
 
 
 def _build_draft_model(setup: SpecSetup) -> Strategy:

@@ -119,6 +119,8 @@ class DraftModelStrategy:
         if n_max < 1:
             return Draft()
         context = self._draft_context(history, last, n_max)
+        if not context:
+            return Draft()  # special tokens alone translate to no text: nothing to continue
         logits = evaluate_continuation(self.backend, context)  # [V]
         if self.config.n_parallel > 1:
             return self._draft_tree(context, logits, n_max)
@@ -223,7 +225,9 @@ class DraftModelStrategy:
         if self.translator is not None:
             ids = self.translator.to_draft(ids)
         room = self.backend.n_ctx - n_max
-        if len(ids) - self._window_start > room or self._window_start > len(ids):
+        # `>=`: translated ids can shrink as the text grows (tokens merge), leaving the window
+        # start at or past the end, with nothing in the window.
+        if len(ids) - self._window_start > room or self._window_start >= len(ids):
             self._window_start = max(0, len(ids) - max(1, room // 2))
         return ids[self._window_start :]
 

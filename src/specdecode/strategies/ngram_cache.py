@@ -192,8 +192,10 @@ def _gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def load(path: str | Path) -> NgramCache:
-    """Read a cache file; any truncation or invalid value raises SpecdecodeError.
+def load(path: str | Path, vocab_size: int | None = None) -> NgramCache:
+    """Read a cache file; any truncation or invalid value raises SpecdecodeError, and so does an
+    id from `vocab_size` on (a cache made with another tokenizer: a drafted id past the target's
+    vocabulary would index past its embedding).
 
     Records and pairs may come in any order; a repeated n-gram or token keeps its first value.
     """
@@ -212,6 +214,12 @@ def load(path: str | Path) -> NgramCache:
     pairs = starts[record] + _HEADER + 2 * (np.arange(bounds[-1]) - bounds[record])
     heads, tokens, counts = ints[starts[:, None] + np.arange(NGRAM_MAX)], ints[pairs], ints[pairs + 1]
     _check_records(heads, tokens, counts, starts, pairs, path)
+    highest = max(int(heads.max()), int(tokens.max()))
+    if vocab_size is not None and highest >= vocab_size:
+        raise SpecdecodeError(
+            f"n-gram cache {path} holds token id {highest}, past the target's vocabulary of {vocab_size} "
+            "ids (a cache made with another tokenizer?)"
+        )
     with _gc_paused():
         return _build(heads, ntokens, tokens, counts)
 

@@ -3,8 +3,9 @@
 The default corpus is the Python standard library's train split (see `corpus`); `--data`
 trains on your own text or code instead (a file, or a directory of files). Token streams
 are encoded once and kept beside the output (`tokens-train.npy`), so a resumed run does not
-encode again. `train eagle3 --calibrate-only` fits the confidence scale of the head already in
-`--out` without training it.
+encode again; they are written there only once the arguments, the models and the corpus have
+been checked, so a refused run leaves `--out` as it was. `train eagle3 --calibrate-only` fits
+the confidence scale of the head already in `--out` without training it.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import fields
 from pathlib import Path
 
@@ -49,19 +51,26 @@ def data_files(data: Path | None) -> list[Path]:
     raise SpecdecodeError(f"no training data at {data} (give a text file or a directory of files)")
 
 
-def training_tokens(
-    tokenizer: PreTrainedTokenizerBase, args: argparse.Namespace, keep: bool = True
-) -> np.ndarray:
-    """The encoded corpus, cached in the output directory (written there only when `keep`)."""
+def training_tokens(tokenizer: PreTrainedTokenizerBase, args: argparse.Namespace) -> np.ndarray:
+    """The encoded corpus: the output directory's copy when an earlier run kept one there."""
     cache = args.out / TOKENS_FILE
     if cache.exists():
         return np.load(cache)
     tokens = encode_files(tokenizer, data_files(args.data))
-    if keep:
-        args.out.mkdir(parents=True, exist_ok=True)
-        np.save(cache, tokens)
     print(f"corpus: {len(tokens):,} tokens", file=sys.stderr)
     return tokens
+
+
+def keep_tokens(tokens: np.ndarray, args: argparse.Namespace) -> Callable[[], None]:
+    """What the training loop calls once the run is checked: keep the encoded corpus in --out."""
+
+    def keep() -> None:
+        cache = args.out / TOKENS_FILE
+        if not cache.exists():
+            args.out.mkdir(parents=True, exist_ok=True)
+            np.save(cache, tokens)
+
+    return keep
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -75,18 +84,19 @@ def run_tokenizer(args: argparse.Namespace) -> None:
 
 
 def run_target(args: argparse.Namespace) -> None:
+    config = config_from_args(args)
     tokenizer = load_tokenizer(args.tokenizer)
-    out = train_target(
-        training_tokens(tokenizer, args), tokenizer, args.out, TARGET_SHAPE, config_from_args(args)
-    )
+    tokens = training_tokens(tokenizer, args)
+    on_start = keep_tokens(tokens, args)
+    out = train_target(tokens, tokenizer, args.out, TARGET_SHAPE, config, on_start=on_start)
     print(f"target -> {out}", file=sys.stderr)
 
 
 def run_draft(args: argparse.Namespace) -> None:
+    config = config_from_args(args)
     tokenizer = load_tokenizer(args.target)
-    out = train_draft(
-        training_tokens(tokenizer, args), args.target, args.out, DRAFT_SHAPE, config_from_args(args)
-    )
+    tokens = training_tokens(tokenizer, args)
+    out = train_draft(tokens, args.target, args.out, DRAFT_SHAPE, config, on_start=keep_tokens(tokens, args))
     print(f"draft -> {out}", file=sys.stderr)
 
 
@@ -94,7 +104,7 @@ def run_eagle3(args: argparse.Namespace) -> None:
     if args.calibrate_only:
         run_eagle3_calibration(args)
         return
-    tokenizer = load_tokenizer(args.target)
+    config = config_from_args(args)
     shape = HeadShape(
         heads=args.heads,
         kv_heads=args.kv_heads,
@@ -103,9 +113,16 @@ def run_eagle3(args: argparse.Namespace) -> None:
         unroll=args.unroll,
         layer_ids=_layer_ids(args.layer_ids),
     )
-    tokens = training_tokens(tokenizer, args)
-    config = config_from_args(args)
-    out = train_eagle3(tokens, args.target, args.out, shape, config, generated_tokens=args.generated_tokens)
+    tokens = training_tokens(load_tokenizer(args.target), args)
+    out = train_eagle3(
+        tokens,
+        args.target,
+        args.out,
+        shape,
+        config,
+        generated_tokens=args.generated_tokens,
+        on_start=keep_tokens(tokens, args),
+    )
     print(f"EAGLE-3 head -> {out}", file=sys.stderr)
 
 
@@ -115,7 +132,7 @@ def run_eagle3_calibration(args: argparse.Namespace) -> None:
     record = calibrate_saved_head(
         args.target,
         args.out,
-        lambda tokenizer: training_tokens(tokenizer, args, keep=False),
+        lambda tokenizer: training_tokens(tokenizer, args),
         args.unroll,
         config_from_args(args),
     )

@@ -252,11 +252,13 @@ def train_loop(
     config: TrainConfig,
     progress: bool,
     max_positions: int,
+    on_start: Callable[[], None] | None = None,
 ) -> dict:
     """Train `model` (on its device) to config.steps, resuming from and writing checkpoints.
     `loss_fn(model, batch [B, T+1])` may use other (frozen) models; only `model` is trained and
-    checkpointed. max_positions: the longest sequence the models involved take. Returns the log:
-    per-step losses of the whole run, the step resumed from, tokens/s."""
+    checkpointed. max_positions: the longest sequence the models involved take. on_start: called
+    once the run is checked, before anything is written (a refused run leaves out_dir as it was).
+    Returns the log: per-step losses of the whole run, the step resumed from, tokens/s."""
     if config.seq_len > max_positions:
         raise SpecdecodeError(f"seq_len {config.seq_len} exceeds the model's {max_positions} positions")
     path = out_dir / CHECKPOINT_FILE
@@ -266,6 +268,8 @@ def train_loop(
     if state:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
+    if on_start is not None:
+        on_start()
     model.train()
     bar = tqdm(total=config.steps, initial=start, disable=not progress, unit="step", dynamic_ncols=True)
     smoothed, began = None, time.perf_counter()
@@ -347,9 +351,11 @@ def train_target(
     shape: ModelShape,
     config: TrainConfig,
     progress: bool = True,
+    on_start: Callable[[], None] | None = None,
 ) -> Path:
     """Train a Llama of `shape` from scratch on `tokens` (ids of `tokenizer`); write a Hugging Face
-    directory (and train_log.json) into out_dir, resuming from out_dir/checkpoint/ if present."""
+    directory (and train_log.json) into out_dir, resuming from out_dir/checkpoint/ if present.
+    on_start: see `train_loop`."""
     out_dir = Path(out_dir)
     vocab_size = len(tokenizer)
     check_tokens(tokens, config, vocab_size)
@@ -357,7 +363,7 @@ def train_target(
     model = _new_model(shape, vocab_size, tokenizer, config.seed).to(device)
     identity = run_identity("target", shape, config)
     log = train_loop(
-        model, _next_token_loss, tokens, out_dir, identity, config, progress, shape.max_positions
+        model, _next_token_loss, tokens, out_dir, identity, config, progress, shape.max_positions, on_start
     )
     return _save_result(model, tokenizer, out_dir, log, config)
 
@@ -387,9 +393,11 @@ def train_draft(
     shape: ModelShape,
     config: TrainConfig,
     progress: bool = True,
+    on_start: Callable[[], None] | None = None,
 ) -> Path:
     """Distill a Llama draft of `shape` from the causal LM in target_dir. The draft gets the target's
-    tokenizer and output vocabulary size, so the two vocabularies match by construction."""
+    tokenizer and output vocabulary size, so the two vocabularies match by construction.
+    on_start: see `train_loop`."""
     out_dir = Path(out_dir)
     device = prepare(config)
     teacher = HFBackend.load(target_dir, LoadOptions(device=device.type, dtype="float32"))
@@ -400,7 +408,7 @@ def train_draft(
     identity = {**run_identity("draft", shape, config), "vocab_size": vocab_size}
     loss_fn = _distillation_loss(target, config.distill_temperature)
     positions = min(shape.max_positions, target.config.max_position_embeddings)
-    log = train_loop(draft, loss_fn, tokens, out_dir, identity, config, progress, positions)
+    log = train_loop(draft, loss_fn, tokens, out_dir, identity, config, progress, positions, on_start)
     if config.calibration_windows:
         log["calibration"] = calibrate_draft(
             target, draft, tokens, config.calibration_windows, config.seq_len, config.seed

@@ -55,8 +55,13 @@ def train_tokenizer(out_dir: Path, vocab_size: int = 8192, files: list[Path] | N
         files = split_files(corpus_files(root), root)[0]
     if not files:
         raise SpecdecodeError("no files to train the tokenizer on")
-    tokenizer = build_tokenizer((read_text_file(path) for path in files), vocab_size)
     out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise SpecdecodeError(f"the output {out_dir} exists and is not a directory")
+    texts = [read_text_file(path) for path in files]
+    if not any(text.strip() for text in texts):
+        raise SpecdecodeError("no text to train the tokenizer on: the data is empty")
+    tokenizer = build_tokenizer(texts, vocab_size)
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(out_dir)
     return out_dir
