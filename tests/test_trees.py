@@ -74,6 +74,10 @@ def make_backend(zoo, kind: str, draft: bool = False, **kwargs):
     return cls(model, cached_tokenizer(), **kwargs)
 
 
+def dtype_of(kind: str) -> str:
+    return kind.rsplit("-", 1)[1]
+
+
 def same(kind: str, a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bit for bit on the native backend (row-invariant in every dtype), to rounding elsewhere."""
     return torch.equal(a, b) if kind.startswith("native") else torch.allclose(a, b, rtol=1e-9, atol=1e-9)
@@ -413,7 +417,7 @@ def test_random_trees_give_plain_generations_output(
     assert ours.text == plain.text
     assert ours.stats.stop_reason == plain.stats.stop_reason
     mode = "greedy" if temperature == 0 else "match"
-    exactness_log.record(f"tree/random-{mode}", kind, ours.stats, ours.stats.stop_reason)
+    exactness_log.record(f"tree/random-{mode}", kind, ours.stats, ours.stats.stop_reason, dtype_of(kind))
 
 
 def test_random_trees_accept_and_branch(zoo):
@@ -462,7 +466,9 @@ def test_draft_model_trees_give_plain_generations_output(
     result = pipeline.generate(PROMPT, sampling, config)
     assert result.tokens == expected.tokens
     mode = "greedy" if temperature == 0 else "match"
-    exactness_log.record(f"tree/draft-p_split-{mode}", kind, result.stats, result.stats.stop_reason)
+    exactness_log.record(
+        f"tree/draft-p_split-{mode}", kind, result.stats, result.stats.stop_reason, dtype_of(kind)
+    )
 
 
 def test_draft_model_tree_shape_follows_p_split(zoo):
@@ -594,7 +600,7 @@ def test_eagle3_trees_give_plain_generations_output(
     result = pipeline.generate(PROMPT, sampling, config)
     assert result.tokens == expected.tokens
     mode = "greedy" if temperature == 0 else "match"
-    exactness_log.record(f"tree/eagle3-{mode}", kind, result.stats, result.stats.stop_reason)
+    exactness_log.record(f"tree/eagle3-{mode}", kind, result.stats, result.stats.stop_reason, dtype_of(kind))
 
 
 def test_eagle3_trees_accept_more_per_pass_than_its_chain():
