@@ -500,6 +500,23 @@ def test_draft_model_tree_shape_follows_p_split(zoo):
     )
 
 
+def test_a_draft_tree_that_never_branches_is_the_chain(zoo):
+    """No candidate above p_split: the same draft as a chain, drafted the chain's way (ordinary
+    draft passes, no tree pass), and handed over as a chain (the target's plain pass)."""
+    drafts = {}
+    for n_parallel in (1, 4):
+        target, draft = make_backend(zoo, "native-float64"), make_backend(zoo, "native-float64", draft=True)
+        config = DraftModelConfig(n_max=8, p_min=0.0, p_split=1.0, n_parallel=n_parallel)
+        run = Pipeline(target, draft, draft_config=config).stream(
+            PROMPT, GREEDY, GenerationConfig(n_predict=2)
+        )
+        draft.evaluate_tree = None  # never called
+        target.evaluate(PROMPT)
+        drafts[n_parallel] = run.chain.strategies[0].draft(PROMPT[:-1], PROMPT[-1], 8)
+        assert draft.tokens == PROMPT + drafts[n_parallel].tokens[:-1]
+    assert drafts[4] == drafts[1] and drafts[4].parents is None
+
+
 def test_sampled_draft_tree_rows_are_the_distributions_drawn_from(zoo):
     target, draft = make_backend(zoo, "native-float64"), make_backend(zoo, "native-float64", draft=True)
     config = DraftModelConfig(n_max=8, p_min=0.0, p_split=0.01, n_parallel=4)

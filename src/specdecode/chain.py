@@ -79,7 +79,7 @@ class Chain:
             stats.t_draft += time.perf_counter() - start
             stats.n_call_draft += 1
             if draft.tokens and draft.depth >= strategy.n_min:
-                draft = replace(draft.truncated(n_max, n_nodes), strategy=strategy.name)
+                draft = replace(draft.truncated(n_max, n_nodes).simplified(), strategy=strategy.name)
                 stats.n_gen_drafts += 1
                 stats.n_gen_tokens += len(draft.tokens)
                 self._last = index

@@ -54,6 +54,12 @@ class Draft:
         """The longest path: the most tokens a verification can accept."""
         return len(self.tokens) if self.parents is None else max(self.depths(), default=0)
 
+    def simplified(self) -> Draft:
+        """The same draft, as a chain when its tree has a single branch (the cheaper pass)."""
+        if self.parents is not None and all(parent == node - 1 for node, parent in enumerate(self.parents)):
+            return replace(self, parents=None)
+        return self
+
     def truncated(self, depth: int, nodes: int | None = None) -> Draft:
         """The draft cut to paths of at most `depth` tokens and (trees) the first `nodes` nodes."""
         if self.parents is None:

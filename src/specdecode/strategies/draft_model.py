@@ -145,6 +145,7 @@ class DraftModelStrategy:
         frontier: list[tuple[int, torch.Tensor]] = [(-1, root_logits)]  # (node, its logits)
         branches = 1
         main = -1  # the end of the top-1 branch: committed to the draft's cache at the end
+        cached = 0  # nodes 0..cached-1 are a chain the draft's cache already holds
         for depth in range(n_max):
             new: list[int] = []
             for parent, logits in frontier:
@@ -154,7 +155,7 @@ class DraftModelStrategy:
                 picks = self._children(
                     logits, [*context, *path], n_max - len(tokens), self._splits(logits, branches)
                 )
-                branches += len(picks) - 1
+                branches += max(0, len(picks) - 1)
                 for token, row in picks:
                     tokens.append(token)
                     parents.append(parent)
@@ -165,16 +166,27 @@ class DraftModelStrategy:
                     main = len(tokens) - len(picks)
             if not new or len(tokens) >= n_max or depth + 1 == n_max:
                 break
-            scored = self.backend.evaluate_tree([tokens[n] for n in new], [parents[n] for n in new])
-            frontier = list(zip(new, scored, strict=True))
-        # The draft's pending nodes are numbered as the tree's: every depth is scored before the
-        # next is added. Keep the top-1 branch (what a chain would have drafted) cached.
+            frontier = list(zip(new, self._score(new, tokens, parents, cached), strict=True))
+            if branches == 1:  # no node has branched yet: the new node continues the cached chain
+                cached = len(tokens)
+        # Nodes before the first branch were cached as a chain would have; after it, the draft's
+        # pending nodes are the tree's less those, and the top-1 branch stays cached.
         scored_main = main if main < len(tokens) - len(new) else parents[main]
-        self.backend.commit(paths_of(parents, scored_main))
+        self.backend.commit([node - cached for node in paths_of(parents, scored_main) if node >= cached])
         if not tokens or max(len(p) for p in paths) < self.n_min:
             return Draft()
         probs = torch.stack(rows) if self.sampler is not None else None  # [N, V]
-        return Draft(tokens, probs, parents=parents)
+        return Draft(tokens, probs, parents=parents).simplified()
+
+    def _score(self, new: list[int], tokens: list[int], parents: list[int], cached: int) -> torch.Tensor:
+        """The draft's logits [len(new), V] for the nodes of one depth: while the tree has one
+        branch, an ordinary pass that caches the node (a chain's cost); then a tree pass, with
+        the nodes cached so far as part of the prefix."""
+        if len(new) == 1 and new[0] == cached:
+            return self.backend.evaluate([tokens[new[0]]])
+        return self.backend.evaluate_tree(
+            [tokens[n] for n in new], [max(parents[n] - cached, -1) for n in new]
+        )
 
     def _splits(self, logits: torch.Tensor, branches: int) -> int:
         """How many extra branches a node opens: candidates of rank 1..7 above p_split, while
