@@ -21,7 +21,7 @@ from specdecode.policy import (
     AdaptivePolicy,
     CostModel,
     PolicyModels,
-    Rate,
+    Record,
     Stopper,
     expected_tokens,
 )
@@ -118,8 +118,12 @@ def test_draft_steps_are_costed_per_step():
     costs = CostModel()
     costs.passes[1] = 0.01
     assert costs.draft_time("draft", 2) == pytest.approx(0.002)  # prior: a tenth of a pass each
-    costs.observe_draft("draft", 4, 0.004)
-    assert costs.draft_time("draft", 3) == pytest.approx(0.003)
+    for _ in range(60):
+        costs.observe_draft("draft", 4, 0.004)
+    assert costs.draft_time("draft", 3) == pytest.approx(0.003, rel=0.01)
+    before = costs.step_time("draft")
+    costs.observe_draft("draft", 1, 0.5)  # a prompt caught up with: counted as twice a step
+    assert costs.step_time("draft") == pytest.approx(1.1 * before)
 
 
 # --------------------------------------------------------------------------- acceptance model
@@ -210,7 +214,7 @@ def test_chain_prefers_the_strategy_with_the_better_record():
 
 def test_chain_takes_a_plain_step_and_skips_a_model_that_does_not_pay():
     models = PolicyModels(costs=cpu_costs())
-    models.rates["draft"] = Rate(tokens=1.0, seconds=0.02)  # 50 tokens/s: slower than plain (83)
+    models.records["draft"] = Record(tokens=1.0, rows=1.0, n=50)  # plain's tokens, plus a draft step
     model = Model("draft", [5, 6], 0.99)
     chain = Chain([model], AdaptivePolicy(models))
     assert chain.draft([1, 2], 3, 16) == Draft()
@@ -221,16 +225,16 @@ def test_chain_takes_a_plain_step_and_skips_a_model_that_does_not_pay():
 
 def test_chain_probes_an_unused_model_again():
     models = PolicyModels(costs=cpu_costs())
-    models.rates["draft"] = Rate(tokens=1.0, seconds=0.02)
+    models.records["draft"] = Record(tokens=1.0, rows=1.0, n=50)
     model = Model("draft", [5, 6], 0.99)
     chain = Chain([model], AdaptivePolicy(models))
-    for _ in range(17):
+    for _ in range(9):
         draft = chain.draft([1, 2], 3, 16)
         chain.accept(draft, len(draft.tokens), 0.012)
     assert model.asked == 1
     assert draft.tokens == [5, 6]
     assert models.acceptance.cells[("draft", 1, 9)] == [1.0, 0.0]  # learnt with its confidence
-    assert models.rates["draft"].tokens > 1.0  # the probe's 3 tokens raised its record
+    assert models.records["draft"].tokens > 1.0  # the probe's 3 tokens raised its record
 
 
 def test_the_keep_drafting_hook_is_cleared_after_the_draft():

@@ -128,8 +128,9 @@ class Chain:
                     best_rate, best_index, best_draft = rate, index, draft.truncated(k)
         if models:
             names = [self.strategies[index].name for index in models]
-            index = max(models, key=lambda i: policy.model_rate(self.strategies[i].name))
-            if policy.model_rate(self.strategies[index].name) > best_rate:
+            t_sunk = time.perf_counter() - start
+            index = max(models, key=lambda i: policy.model_rate(self.strategies[i].name, t_sunk))
+            if policy.model_rate(self.strategies[index].name, t_sunk) > best_rate:
                 strategy = self.strategies[index]
                 step.model = strategy.name
                 step.stopper = policy.stopper(strategy.name, time.perf_counter() - start)
@@ -143,7 +144,6 @@ class Chain:
                 if draft.tokens and draft.is_chain:
                     best_index, best_draft = index, draft.truncated(n_max)
             policy.skipped([name for name in names if name != step.model])
-        step.t_draft = time.perf_counter() - start
         if best_index < 0:
             return Draft()
         step.strategy = self.strategies[best_index].name
@@ -191,7 +191,6 @@ class _Step:
         self.strategy: str | None = None  # whose draft is verified (None: a plain step)
         self.model: str | None = None  # the drafting model run, if any
         self.stopper: Stopper | None = None  # its stopping rule, which saw its confidences
-        self.t_draft = 0.0
         self.t_model = 0.0
 
     def report(self, policy: AdaptivePolicy, draft: Draft, n_accepted: int, t_pass: float) -> None:
@@ -201,6 +200,4 @@ class _Step:
             seen = self.stopper.confidences  # a translated draft may differ in length: pad with the last
             confidences = [seen[min(i, len(seen) - 1)] for i in range(k)] if seen else confidences
         steps = len(self.stopper.confidences) + 1 if self.stopper is not None else 0
-        policy.observe(
-            self.strategy, confidences, n_accepted, self.t_draft, t_pass, self.model, steps, self.t_model
-        )
+        policy.observe(self.strategy, confidences, n_accepted, t_pass, self.model, steps, self.t_model)

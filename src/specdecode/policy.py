@@ -11,9 +11,10 @@ depends on the text, the models and the machine, so `adaptive` measures instead:
   calibrated confidence (model drafts) or from the estimate one depth up (model-free drafts).
 - Decision: a chain of k tokens with acceptances a_1..a_k emits E_k = 1 + sum_j prod_{i<=j} a_i
   tokens for time(k) = drafting + pass(k + 1). Model-free drafts cost next to nothing, so all
-  are asked and each is cut to its best length; a drafting model is run when its measured rate
-  (tokens per second over the steps it drafted) beats the best of those and of a plain step,
-  and it stops growing its draft when one more token would lower E / time. A plain step
+  are asked and each is cut to its best length; a drafting model is run when its expected rate
+  (the tokens its steps emitted, over what its usual draft length costs) beats the best of
+  those and of a plain step, and it stops growing its draft when one more token would lower
+  E / time. A plain step
   (k = 0, one row) is always a candidate, so a strategy that never gets accepted stops being
   paid for; one not run for a while is tried again, in case the text changed.
 
@@ -43,7 +44,7 @@ MAX_DEPTH = 64  # deeper tokens share the last depth's counts
 PRIOR_WEIGHT = 4.0  # pseudo-observations behind the prior of an acceptance estimate
 PRIOR_FREE = 0.5  # depth-1 prior of a model-free strategy, which reports no confidence
 DECAY = 0.98  # a cell's counts shrink by this at each update: recent text weighs more
-PROBE_EVERY = 16  # a drafting model left unused this many steps is run again
+PROBE_EVERY = 8  # a drafting model left unused this many steps is run again
 
 
 def check_policy(name: str) -> str:
@@ -102,13 +103,16 @@ class CostModel:
         return self.passes[nearest] * _prior_shape(rows) / _prior_shape(nearest)
 
     def observe_draft(self, strategy: str, steps: int, seconds: float) -> None:
-        per_step = seconds / max(1, steps)
-        old = self.draft_step.get(strategy)
-        self.draft_step[strategy] = per_step if old is None else (1 - EMA) * old + EMA * per_step
+        """A draft of `steps` steps took `seconds`: at most twice the estimate counts, since the
+        first step may also catch up with a whole prompt, which is not what a step costs."""
+        old = self.step_time(strategy)
+        self.draft_step[strategy] = (1 - EMA) * old + EMA * min(seconds / max(1, steps), 2 * old)
 
-    def draft_time(self, strategy: str, steps: int) -> float:
-        step = self.draft_step.get(strategy, PRIOR_DRAFT_STEP * self.pass_time(1))
-        return step * steps
+    def step_time(self, strategy: str) -> float:
+        return self.draft_step.get(strategy, PRIOR_DRAFT_STEP * self.pass_time(1))
+
+    def draft_time(self, strategy: str, steps: float) -> float:
+        return self.step_time(strategy) * steps
 
     def fit(self) -> list[dict]:
         """For each row count run: the load-time prediction against the mean of the passes run."""
@@ -172,30 +176,31 @@ def expected_tokens(acceptances: list[float]) -> list[float]:
 
 
 @dataclass
-class Rate:
-    """Moving averages of a drafting model's steps: tokens emitted and seconds taken."""
+class Record:
+    """Averages over the steps a drafting model ran: tokens emitted and rows verified. It starts
+    as one step that kept a one-token draft; the first steps are averaged plainly, later ones
+    in a moving average (so that one unlucky first draft does not rule the model out)."""
 
-    tokens: float
-    seconds: float
+    tokens: float = 2.0
+    rows: float = 2.0
+    n: int = 1
 
-    def update(self, tokens: float, seconds: float) -> None:
-        self.tokens = (1 - EMA) * self.tokens + EMA * tokens
-        self.seconds = (1 - EMA) * self.seconds + EMA * seconds
-
-    @property
-    def per_second(self) -> float:
-        return self.tokens / self.seconds
+    def update(self, tokens: float, rows: float) -> None:
+        self.n += 1
+        weight = max(EMA, 1 / self.n)
+        self.tokens = (1 - weight) * self.tokens + weight * tokens
+        self.rows = (1 - weight) * self.rows + weight * rows
 
 
 @dataclass
 class PolicyModels:
     """What the adaptive policy learns, shared by every generation of a pipeline (and its forks):
-    costs, acceptance, each drafting model's measured rate, and what was chosen (a histogram of
+    costs, acceptance, each drafting model's record, and what was chosen (a histogram of
     (strategy or "none", draft length))."""
 
     costs: CostModel = field(default_factory=CostModel)
     acceptance: AcceptanceModel = field(default_factory=AcceptanceModel)
-    rates: dict[str, Rate] = field(default_factory=dict)
+    records: dict[str, Record] = field(default_factory=dict)
     choices: Counter[tuple[str, int]] = field(default_factory=Counter)
 
     @classmethod
@@ -252,13 +257,16 @@ class AdaptivePolicy:
         best = max(range(len(rates)), key=lambda k: (rates[k], -k))
         return best, rates[best]
 
-    def model_rate(self, strategy: str) -> float:
-        """A drafting model's measured tokens per second when it drafts; infinite when it has
-        never run or is due for another try."""
-        rate = self.models.rates.get(strategy)
-        if rate is None or self._idle[strategy] >= PROBE_EVERY:
+    def model_rate(self, strategy: str, t_sunk: float) -> float:
+        """A drafting model's expected tokens per second: the tokens its steps emitted, over what
+        its steps' draft length costs now; infinite when it has never run or is due for another
+        try."""
+        record = self.models.records.get(strategy)
+        if record is None or self._idle[strategy] >= PROBE_EVERY:
             return float("inf")
-        return rate.per_second
+        costs = self.models.costs
+        seconds = t_sunk + costs.draft_time(strategy, record.rows) + costs.pass_time(round(record.rows))
+        return record.tokens / seconds
 
     def stopper(self, strategy: str, t_sunk: float) -> Stopper:
         self._idle[strategy] = 0
@@ -273,15 +281,14 @@ class AdaptivePolicy:
         strategy: str | None,
         confidences: list[float | None],
         n_accepted: int,
-        t_draft: float,
         t_pass: float,
         model: str | None,
         model_steps: int,
         t_model: float,
     ) -> None:
         """One verified step: `strategy`'s chain (None: a plain step) of len(confidences) tokens,
-        n_accepted kept, drafting took t_draft and the pass t_pass; `model` is the drafting model
-        run this step (if any), in model_steps steps taking t_model of t_draft."""
+        n_accepted kept, in a pass of t_pass seconds; `model` is the drafting model run this step
+        (if any), in model_steps steps taking t_model seconds."""
         models = self.models
         models.costs.observe_pass(len(confidences) + 1, t_pass)
         models.choices[(strategy or "none", len(confidences))] += 1
@@ -289,9 +296,5 @@ class AdaptivePolicy:
             models.acceptance.observe(strategy, confidences, n_accepted)
         if model is not None:
             models.costs.observe_draft(model, model_steps, t_model)
-            tokens = 1.0 + n_accepted  # the step's, whoever drafted: what running the model gave
-            rate = models.rates.get(model)
-            if rate is None:
-                models.rates[model] = Rate(tokens, t_draft + t_pass)
-            else:
-                rate.update(tokens, t_draft + t_pass)
+            tokens, rows = 1.0 + n_accepted, len(confidences) + 1  # whoever drafted: what running it gave
+            models.records.setdefault(model, Record()).update(tokens, rows)
