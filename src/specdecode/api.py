@@ -149,7 +149,11 @@ class Pipeline:
             ngram=self.ngram,
             shared=self.shared,
         )
-        policy = AdaptivePolicy(self.policy_models) if self.policy_models is not None else None
+        policy = None
+        if self.policy_models is not None:
+            policy = AdaptivePolicy(
+                self.policy_models, counterfactual=config.verify == "match" or sampling.greedy
+            )
         chain = Chain(build_strategies(self.spec_types, setup), policy)
         return Generation(self.target, chain, sampler, config, self.encode(prompt))
 

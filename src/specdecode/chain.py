@@ -113,7 +113,7 @@ class Chain:
         drafting model with the best measured rate (run only if that rate is the best)."""
         start = time.perf_counter()
         step = self._step = _Step()
-        best_rate, best_index, best_draft = policy.plain_rate(0.0), -1, Draft()
+        candidates: list[tuple[float, int, Draft]] = []  # (gain, strategy, draft cut to its length)
         models: list[int] = []
         for index, strategy in enumerate(self.strategies):
             if index in self._failed:
@@ -123,17 +123,23 @@ class Chain:
                 continue
             draft = self._ask(index, history, last, n_max).truncated(n_max).simplified()
             if draft.tokens and draft.is_chain:
-                k, rate = policy.best_length(strategy.name, len(draft.tokens), time.perf_counter() - start)
-                if k > 0 and rate > best_rate:
-                    best_rate, best_index, best_draft = rate, index, draft.truncated(k)
+                k, gain = policy.best_length(strategy.name, len(draft.tokens), time.perf_counter() - start)
+                step.drafts[index] = draft.tokens
+                if k > 0:
+                    candidates.append((gain, index, draft.truncated(k)))
+        t_sunk = time.perf_counter() - start
+        best_gain, best_index, best_draft = max(candidates, default=(policy.plain_gain(t_sunk), -1, Draft()))
+        if candidates and policy.plain_gain(t_sunk) >= best_gain:
+            best_index, best_draft = -1, Draft()
         if models:
             names = [self.strategies[index].name for index in models]
-            t_sunk = time.perf_counter() - start
-            index = max(models, key=lambda i: policy.model_rate(self.strategies[i].name, t_sunk))
-            if policy.model_rate(self.strategies[index].name, t_sunk) > best_rate:
+            index = max(models, key=lambda i: policy.model_gain(self.strategies[i].name, t_sunk))
+            if policy.model_gain(self.strategies[index].name, t_sunk) > max(
+                best_gain, policy.plain_gain(t_sunk)
+            ):
                 strategy = self.strategies[index]
                 step.model = strategy.name
-                step.stopper = policy.stopper(strategy.name, time.perf_counter() - start)
+                step.stopper = policy.stopper(strategy.name)
                 model_start = time.perf_counter()
                 strategy.keep_drafting = step.stopper
                 try:
@@ -144,16 +150,21 @@ class Chain:
                 if draft.tokens and draft.is_chain:
                     best_index, best_draft = index, draft.truncated(n_max)
             policy.skipped([name for name in names if name != step.model])
+        step.t_draft = time.perf_counter() - start
+        step.others = {
+            self.strategies[i].name: tokens for i, tokens in step.drafts.items() if i != best_index
+        }
         if best_index < 0:
             return Draft()
         step.strategy = self.strategies[best_index].name
         return self._chosen(best_index, best_draft)
 
-    def accept(self, draft: Draft, n_accepted: int, t_pass: float = 0.0) -> None:
+    def accept(self, draft: Draft, n_accepted: int, t_pass: float = 0.0, emitted: Sequence[int] = ()) -> None:
         """Report the verification of the last draft: n_accepted tokens kept, down one path
-        (for strategies, a no-op without a draft), in a target pass of t_pass seconds."""
+        (for strategies, a no-op without a draft), in a target pass of t_pass seconds that
+        emitted these tokens."""
         if self.policy is not None and self._step is not None:
-            self._step.report(self.policy, draft, n_accepted, t_pass)
+            self._step.report(self.policy, draft, n_accepted, t_pass, emitted)
             self._step = None
         if self._last is None:
             return
@@ -191,13 +202,21 @@ class _Step:
         self.strategy: str | None = None  # whose draft is verified (None: a plain step)
         self.model: str | None = None  # the drafting model run, if any
         self.stopper: Stopper | None = None  # its stopping rule, which saw its confidences
+        self.t_draft = 0.0
         self.t_model = 0.0
+        self.drafts: dict[int, list[int]] = {}  # model-free strategy -> its draft
+        self.others: dict[str, list[int]] = {}  # the drafts not verified, by strategy
 
-    def report(self, policy: AdaptivePolicy, draft: Draft, n_accepted: int, t_pass: float) -> None:
+    def report(
+        self, policy: AdaptivePolicy, draft: Draft, n_accepted: int, t_pass: float, emitted: Sequence[int]
+    ) -> None:
         k = len(draft.tokens)
         confidences: list[float | None] = [None] * k
         if self.stopper is not None and self.strategy == self.model:
             seen = self.stopper.confidences  # a translated draft may differ in length: pad with the last
             confidences = [seen[min(i, len(seen) - 1)] for i in range(k)] if seen else confidences
         steps = len(self.stopper.confidences) + 1 if self.stopper is not None else 0
-        policy.observe(self.strategy, confidences, n_accepted, t_pass, self.model, steps, self.t_model)
+        policy.observe(
+            self.strategy, confidences, n_accepted, self.t_draft, t_pass, self.model, steps, self.t_model
+        )
+        policy.observe_unverified(self.others, emitted)

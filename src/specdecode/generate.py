@@ -116,7 +116,9 @@ class Generation:
         self.stats.n_passes += 1
         self.stats.n_step_tokens += len(verdict.emitted)
         if self.chain:
-            self.chain.accept(draft, n_accepted, t_pass)  # without a draft too: the policy learns costs
+            self.chain.accept(
+                draft, n_accepted, t_pass, verdict.emitted
+            )  # also without a draft: for the policy
         if draft.tokens:
             self.stats.totals.record(len(draft.tokens), draft.depth, n_accepted)
         return self._emit(verdict.emitted, draft, n_accepted)

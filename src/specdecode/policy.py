@@ -4,19 +4,28 @@
 model draft stops at the first token whose confidence is below p_min. Whether that pays
 depends on the text, the models and the machine, so `adaptive` measures instead:
 
-- Cost model: seconds of a target pass of T rows (timed briefly at load, then an exponential
-  moving average of the passes actually run) and of one step of each drafting model.
+- Cost model: seconds of a target pass of T rows, as scale * shape(T): the shape timed briefly
+  at load (monotone, linear between the sizes timed), the scale a moving average of measured /
+  shape over the passes actually run (contexts grow, machines get busy); one smooth curve, so
+  that the cost of one more row never jumps with the noise of one size's measurements. And the
+  seconds of one step of each drafting model.
 - Acceptance model: per strategy, depth and draft-confidence bucket, P(the token is kept |
   its parent was), counted from every verified draft with decay, starting from the draft's
   calibrated confidence (model drafts) or from the estimate one depth up (model-free drafts).
 - Decision: a chain of k tokens with acceptances a_1..a_k emits E_k = 1 + sum_j prod_{i<=j} a_i
-  tokens for time(k) = drafting + pass(k + 1). Model-free drafts cost next to nothing, so all
-  are asked and each is cut to its best length; a drafting model is run when its expected rate
-  (the tokens its steps emitted, over what its usual draft length costs) beats the best of
-  those and of a plain step, and it stops growing its draft when one more token would lower
-  E / time. A plain step
+  tokens for time(k) = drafting + pass(k + 1); its gain is E_k - rate * time(k), where rate is
+  the tokens per second the policy has been achieving. Model-free drafts cost next to nothing,
+  so all are asked and each is cut to its best length; a drafting model is run when its
+  expected gain (the tokens its steps emitted, less what its usual draft length costs) beats
+  the best of those and of a plain step, and it stops growing its draft when one more token's
+  gain (its chance of being reached and kept, less the cost of its draft step and verify row)
+  turns negative. A plain step
   (k = 0, one row) is always a candidate, so a strategy that never gets accepted stops being
   paid for; one not run for a while is tried again, in case the text changed.
+
+Where verification keeps a draft token exactly when it equals the token emitted at its place
+(`match`, or greedy sampling), the model-free drafts that were not chosen are scored against
+the emitted tokens too, so a strategy that was passed over still gets its estimates updated.
 
 Drafts are chains: trees are left to `classic`. Whatever is drafted, verification keeps the
 output plain generation's, so the policy changes speed only.
@@ -26,9 +35,10 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from specdecode.backends import Backend
+from specdecode.backends import Backend, common_prefix
 from specdecode.errors import SpecdecodeError
 
 SPEC_POLICIES = ("classic", "adaptive")
@@ -57,8 +67,8 @@ class CostModel:
     """Seconds of target passes by row count, and of draft steps by strategy."""
 
     def __init__(self) -> None:
-        self.passes: dict[int, float] = {}  # rows -> moving average
-        self.calibrated: dict[int, float] = {}  # rows -> the load-time median
+        self.calibrated: dict[int, float] = {}  # rows -> the load-time median (made monotone)
+        self.scale = 1.0  # moving average of measured / shape over the passes run
         self.measured: dict[int, list[float]] = {}  # rows -> [count, total seconds] of passes run
         self.draft_step: dict[str, float] = {}  # strategy -> moving average of one step
 
@@ -77,30 +87,31 @@ class CostModel:
                 backend.evaluate(context[:n])
                 samples.append(time.perf_counter() - start)
                 backend.truncate(len(context))
-            self.calibrated[n] = self.passes[n] = sorted(samples[1:])[len(samples[1:]) // 2]
+            median = sorted(samples[1:])[len(samples[1:]) // 2]
+            self.calibrated[n] = max([median, *self.calibrated.values()])  # more rows never cost less
         backend.truncate(0)
 
     def observe_pass(self, rows: int, seconds: float) -> None:
-        old = self.passes.get(rows)
-        self.passes[rows] = seconds if old is None else (1 - EMA) * old + EMA * seconds
+        weight = EMA if self.measured else 1.0
+        self.scale += weight * (seconds / self.shape(rows) - self.scale)
         count_total = self.measured.setdefault(rows, [0, 0.0])
         count_total[0] += 1
         count_total[1] += seconds
 
     def pass_time(self, rows: int) -> float:
-        """Seconds of a pass of `rows` rows: measured, else interpolated between the nearest
-        measured row counts, else scaled from the nearest one by the prior shape."""
-        if rows in self.passes:
-            return self.passes[rows]
-        below = max((n for n in self.passes if n < rows), default=None)
-        above = min((n for n in self.passes if n > rows), default=None)
-        if below is not None and above is not None:
-            share = (rows - below) / (above - below)
-            return (1 - share) * self.passes[below] + share * self.passes[above]
-        nearest = below if below is not None else above
-        if nearest is None:
-            return PRIOR_PASS * _prior_shape(rows)
-        return self.passes[nearest] * _prior_shape(rows) / _prior_shape(nearest)
+        return self.scale * self.shape(rows)
+
+    def shape(self, rows: int) -> float:
+        """The load-time seconds of a pass of `rows` rows: linear between the sizes timed, and
+        along the last segment beyond them; the prior without a calibration."""
+        sizes = sorted(self.calibrated)
+        if len(sizes) < 2:
+            base = self.calibrated[sizes[0]] / _prior_shape(sizes[0]) if sizes else PRIOR_PASS
+            return base * _prior_shape(rows)
+        high = next((n for n in sizes[1:] if n >= rows), sizes[-1])
+        low = sizes[sizes.index(high) - 1]
+        slope = (self.calibrated[high] - self.calibrated[low]) / (high - low)
+        return max(self.calibrated[low] + slope * (rows - low), self.calibrated[sizes[0]])
 
     def observe_draft(self, strategy: str, steps: int, seconds: float) -> None:
         """A draft of `steps` steps took `seconds`: at most twice the estimate counts, since the
@@ -115,12 +126,20 @@ class CostModel:
         return self.step_time(strategy) * steps
 
     def fit(self) -> list[dict]:
-        """For each row count run: the load-time prediction against the mean of the passes run."""
+        """For each row count run: the mean of the passes run against the model now, and the
+        load-time timing (where that size was timed)."""
         rows = []
         for n, (count, total) in sorted(self.measured.items()):
-            predicted = self.calibrated.get(n)
-            rows.append({"rows": n, "passes": count, "measured_ms": 1e3 * total / count})
-            rows[-1]["predicted_ms"] = None if predicted is None else 1e3 * predicted
+            timed = self.calibrated.get(n)
+            rows.append(
+                {
+                    "rows": n,
+                    "passes": count,
+                    "measured_ms": 1e3 * total / count,
+                    "model_ms": 1e3 * self.pass_time(n),
+                    "timed_ms": None if timed is None else 1e3 * timed,
+                }
+            )
         return rows
 
 
@@ -202,6 +221,13 @@ class PolicyModels:
     acceptance: AcceptanceModel = field(default_factory=AcceptanceModel)
     records: dict[str, Record] = field(default_factory=dict)
     choices: Counter[tuple[str, int]] = field(default_factory=Counter)
+    step_tokens: float = 0.0  # moving averages over all steps: tokens emitted, seconds taken
+    step_seconds: float = 0.0
+
+    @property
+    def rate(self) -> float | None:
+        """Tokens per second over the recent steps (None before any)."""
+        return self.step_tokens / self.step_seconds if self.step_seconds > 0 else None
 
     @classmethod
     def for_target(cls, target: Backend) -> PolicyModels:
@@ -212,65 +238,74 @@ class PolicyModels:
 
 
 class Stopper:
-    """The "keep drafting?" rule of one model draft: grow while one more token raises the step's
-    expected tokens per second. Remembers the confidences of the tokens it let through."""
+    """The "keep drafting?" rule of one model draft: one more token is drafted while its gain,
+    the tokens it adds in expectation less what its draft step and verify row cost at the
+    policy's rate, is positive. Remembers the confidences of the tokens it let through."""
 
-    def __init__(self, models: PolicyModels, strategy: str, t_sunk: float) -> None:
+    def __init__(self, models: PolicyModels, strategy: str, rate: float) -> None:
         self.models = models
         self.strategy = strategy
-        self.t_sunk = t_sunk  # drafting time already spent this step by other strategies
+        self.rate = rate  # tokens per second: what a second of this step is worth
         self.confidences: list[float] = []
-        self._tokens = 1.0  # E of the chain so far
         self._reach = 1.0  # P(every token so far kept)
 
     def __call__(self, depth: int, confidence: float) -> bool:
         """May the token at `depth` (1-based), of this top-1 confidence, be drafted?"""
         a = self.models.acceptance.estimate(self.strategy, depth, confidence, confidence)
-        tokens = self._tokens + self._reach * a
-        if tokens / self._time(depth + 1, depth + 1) <= self._tokens / self._time(depth, depth):
+        costs = self.models.costs
+        seconds = costs.step_time(self.strategy) + costs.pass_time(depth + 1) - costs.pass_time(depth)
+        if self._reach * a <= self.rate * seconds:
             return False
-        self._tokens, self._reach = tokens, self._reach * a
+        self._reach *= a
         self.confidences.append(confidence)
         return True
 
-    def _time(self, steps: int, rows: int) -> float:
-        costs = self.models.costs
-        return self.t_sunk + costs.draft_time(self.strategy, steps) + costs.pass_time(rows)
-
 
 class AdaptivePolicy:
-    """The decisions of one generation, over shared `PolicyModels`."""
+    """The decisions of one generation, over shared `PolicyModels`.
 
-    def __init__(self, models: PolicyModels) -> None:
+    Each candidate is scored by its gain: expected tokens less expected seconds times `rate`,
+    the tokens per second the policy has been achieving (plain generation's before any step).
+    Maximising that is maximising the long-run rate (a renewal-reward argument); comparing
+    ratios step by step would stop good drafts early and let poor ones run on."""
+
+    def __init__(self, models: PolicyModels, counterfactual: bool = False) -> None:
+        """counterfactual: whether a draft token that was not verified would have been kept
+        exactly when it equals the token emitted at its place (`match` verification, or greedy
+        sampling), so that the drafts not chosen are learnt from too."""
         self.models = models
+        self.counterfactual = counterfactual
         self._idle: Counter[str] = Counter()  # drafting model -> steps since it was last run
 
-    def plain_rate(self, t_sunk: float) -> float:
-        return 1.0 / (t_sunk + self.models.costs.pass_time(1))
+    @property
+    def rate(self) -> float:
+        return self.models.rate if self.models.rate is not None else 1.0 / self.models.costs.pass_time(1)
+
+    def plain_gain(self, t_sunk: float) -> float:
+        return 1.0 - self.rate * (t_sunk + self.models.costs.pass_time(1))
 
     def best_length(self, strategy: str, n_tokens: int, t_sunk: float) -> tuple[int, float]:
-        """The prefix length of a model-free draft of n_tokens with the best expected tokens per
-        second, and that rate (0 tokens: a plain step)."""
+        """The prefix length of a model-free draft of n_tokens with the best expected gain, and
+        that gain (0 tokens: a plain step)."""
         values = expected_tokens(self.models.acceptance.chain(strategy, [None] * n_tokens))
-        costs = self.models.costs
-        rates = [e / (t_sunk + costs.pass_time(k + 1)) for k, e in enumerate(values)]
-        best = max(range(len(rates)), key=lambda k: (rates[k], -k))
-        return best, rates[best]
+        costs, rate = self.models.costs, self.rate
+        gains = [e - rate * (t_sunk + costs.pass_time(k + 1)) for k, e in enumerate(values)]
+        best = max(range(len(gains)), key=lambda k: (gains[k], -k))
+        return best, gains[best]
 
-    def model_rate(self, strategy: str, t_sunk: float) -> float:
-        """A drafting model's expected tokens per second: the tokens its steps emitted, over what
-        its steps' draft length costs now; infinite when it has never run or is due for another
-        try."""
+    def model_gain(self, strategy: str, t_sunk: float) -> float:
+        """A drafting model's expected gain: the tokens its steps emitted, less what its steps'
+        draft length costs now; infinite when it has never run or is due for another try."""
         record = self.models.records.get(strategy)
         if record is None or self._idle[strategy] >= PROBE_EVERY:
             return float("inf")
         costs = self.models.costs
         seconds = t_sunk + costs.draft_time(strategy, record.rows) + costs.pass_time(round(record.rows))
-        return record.tokens / seconds
+        return record.tokens - self.rate * seconds
 
-    def stopper(self, strategy: str, t_sunk: float) -> Stopper:
+    def stopper(self, strategy: str) -> Stopper:
         self._idle[strategy] = 0
-        return Stopper(self.models, strategy, t_sunk)
+        return Stopper(self.models, strategy, self.rate)
 
     def skipped(self, strategies: list[str]) -> None:
         for strategy in strategies:
@@ -281,15 +316,19 @@ class AdaptivePolicy:
         strategy: str | None,
         confidences: list[float | None],
         n_accepted: int,
+        t_draft: float,
         t_pass: float,
         model: str | None,
         model_steps: int,
         t_model: float,
     ) -> None:
         """One verified step: `strategy`'s chain (None: a plain step) of len(confidences) tokens,
-        n_accepted kept, in a pass of t_pass seconds; `model` is the drafting model run this step
-        (if any), in model_steps steps taking t_model seconds."""
+        n_accepted kept, drafted in t_draft seconds and verified in a pass of t_pass; `model` is
+        the drafting model run this step (if any), in model_steps steps taking t_model seconds."""
         models = self.models
+        weight = EMA if models.step_seconds > 0 else 1.0
+        models.step_tokens += weight * (1.0 + n_accepted - models.step_tokens)
+        models.step_seconds += weight * (t_draft + t_pass - models.step_seconds)
         models.costs.observe_pass(len(confidences) + 1, t_pass)
         models.choices[(strategy or "none", len(confidences))] += 1
         if strategy is not None:
@@ -298,3 +337,13 @@ class AdaptivePolicy:
             models.costs.observe_draft(model, model_steps, t_model)
             tokens, rows = 1.0 + n_accepted, len(confidences) + 1  # whoever drafted: what running it gave
             models.records.setdefault(model, Record()).update(tokens, rows)
+
+    def observe_unverified(self, drafts: dict[str, list[int]], emitted: Sequence[int]) -> None:
+        """Model-free drafts that were not verified, against the tokens the step emitted: each
+        would have been kept up to its first difference (unknown past the emitted tokens)."""
+        if not self.counterfactual:
+            return
+        for strategy, tokens in drafts.items():
+            kept = common_prefix(tokens, emitted)
+            seen = kept + 1 if kept < min(len(tokens), len(emitted)) else kept
+            self.models.acceptance.observe(strategy, [None] * seen, kept)
