@@ -91,28 +91,37 @@ def test_before_any_timing_pass_costs_follow_the_prior():
     assert costs.pass_time(17) / costs.pass_time(1) == pytest.approx(2.6)
 
 
-def test_the_load_time_shape_is_scaled_by_the_passes_run():
+def test_pass_costs_are_a_line_through_the_timings_that_follows_the_passes_run():
     costs = CostModel()
-    costs.calibrated.update({1: 0.010, 5: 0.014, 9: 0.020})
+    costs.calibrated.update({1: 0.010, 5: 0.014, 9: 0.018})
     assert costs.pass_time(3) == pytest.approx(0.012)
-    assert costs.pass_time(17) == pytest.approx(0.032)  # along the last segment
-    costs.observe_pass(5, 0.028)  # passes run twice as slow as timed (a longer context)
-    assert costs.pass_time(9) == pytest.approx(0.040)
+    assert costs.pass_time(17) == pytest.approx(0.026)
+    for _ in range(100):  # passes run twice as slow as timed (a longer context, a busy machine)
+        costs.observe_pass(1, 0.020)
+        costs.observe_pass(5, 0.028)
+    assert costs.pass_time(3) == pytest.approx(0.024, rel=0.1)  # the timings still count a little
 
 
-def test_observed_passes_move_the_estimate_and_feed_the_fit():
+def test_a_noisy_timing_does_not_make_one_more_row_free_or_dear():
+    costs = CostModel()
+    costs.calibrated.update({1: 0.012, 2: 0.0135, 3: 0.0213, 5: 0.0218, 9: 0.0264, 17: 0.0336})
+    steps = [costs.pass_time(n + 1) - costs.pass_time(n) for n in range(1, 17)]
+    assert max(steps) == pytest.approx(min(steps))
+    assert 0.0005 < steps[0] < 0.0015
+
+
+def test_passes_run_feed_the_fit_report():
     costs = CostModel()
     costs.calibrated.update({1: 0.010, 2: 0.011})
     for _ in range(50):
         costs.observe_pass(2, 0.022)
-    assert costs.pass_time(1) == pytest.approx(0.020)
-    fit = costs.fit()
-    assert fit == [
+    assert costs.pass_time(2) == pytest.approx(0.022, rel=0.1)
+    assert costs.fit() == [
         {
             "rows": 2,
             "passes": 50,
             "measured_ms": pytest.approx(22.0),
-            "model_ms": pytest.approx(22.0),
+            "model_ms": pytest.approx(22.0, rel=0.1),
             "timed_ms": 11.0,
         }
     ]
@@ -123,8 +132,7 @@ def test_calibration_times_every_row_count_and_leaves_the_cache_empty(zoo):
     costs = CostModel()
     costs.calibrate(target)
     assert sorted(costs.calibrated) == [1, 2, 3, 5, 9, 17]
-    timings = [costs.calibrated[n] for n in sorted(costs.calibrated)]
-    assert timings[0] > 0 and timings == sorted(timings)  # made monotone
+    assert all(seconds > 0 for seconds in costs.calibrated.values())
     assert target.tokens == []
 
 

@@ -4,11 +4,9 @@
 model draft stops at the first token whose confidence is below p_min. Whether that pays
 depends on the text, the models and the machine, so `adaptive` measures instead:
 
-- Cost model: seconds of a target pass of T rows, as scale * shape(T): the shape timed briefly
-  at load (monotone, linear between the sizes timed), the scale a moving average of measured /
-  shape over the passes actually run (contexts grow, machines get busy); one smooth curve, so
-  that the cost of one more row never jumps with the noise of one size's measurements. And the
-  seconds of one step of each drafting model.
+- Cost model: seconds of a target pass of T rows, a line a + b * T fitted to passes timed
+  briefly at load and to the passes actually run, recent ones weighing more (contexts grow,
+  machines get busy); and the seconds of one step of each drafting model.
 - Acceptance model: per strategy, depth and draft-confidence bucket, P(the token is kept |
   its parent was), counted from every verified draft with decay, starting from the draft's
   calibrated confidence (model drafts) or from the estimate one depth up (model-free drafts).
@@ -49,6 +47,8 @@ PRIOR_PASS = 0.01  # seconds of a one-row pass before anything is measured
 PRIOR_SLOPE = 0.1  # pass(T) / pass(1) = 1 + 0.1 (T - 1) before it is measured (a CPU's shape)
 PRIOR_DRAFT_STEP = 0.1  # a draft step, as a share of a one-row target pass, before it is measured
 EMA = 0.1  # weight of the newest observation in the moving averages
+CALIBRATION_WEIGHT = 2.0  # passes each load-time timing counts as in the cost fit
+FIT_DECAY = 0.98  # per pass run: the weight of older passes in the cost fit
 BUCKETS = 10  # confidence buckets of model drafts
 MAX_DEPTH = 64  # deeper tokens share the last depth's counts
 PRIOR_WEIGHT = 4.0  # pseudo-observations behind the prior of an acceptance estimate
@@ -64,13 +64,19 @@ def check_policy(name: str) -> str:
 
 
 class CostModel:
-    """Seconds of target passes by row count, and of draft steps by strategy."""
+    """Seconds of target passes by row count, and of draft steps by strategy.
+
+    A pass of T rows costs a + b * T, fitted by least squares to the load-time timings (each
+    worth CALIBRATION_WEIGHT passes, always) and to the passes run (weights decaying by
+    FIT_DECAY a pass, so the fit follows a growing context or a busier machine). A line, not a
+    table: one size's noisy timing must not make one more row look free or dear."""
 
     def __init__(self) -> None:
-        self.calibrated: dict[int, float] = {}  # rows -> the load-time median (made monotone)
-        self.scale = 1.0  # moving average of measured / shape over the passes run
+        self.calibrated: dict[int, float] = {}  # rows -> the load-time median
         self.measured: dict[int, list[float]] = {}  # rows -> [count, total seconds] of passes run
         self.draft_step: dict[str, float] = {}  # strategy -> moving average of one step
+        self._sums = [0.0] * 5  # decayed sums over passes run: w, wT, wT^2, wy, wTy
+        self._line: tuple[float, float] | None = None  # (a, b), refitted after each change
 
     def calibrate(self, backend: Backend, rows: tuple[int, ...] = CALIBRATION_ROWS) -> None:
         """Time passes of each row count after a short context (a few reps, the median), leaving
@@ -87,31 +93,36 @@ class CostModel:
                 backend.evaluate(context[:n])
                 samples.append(time.perf_counter() - start)
                 backend.truncate(len(context))
-            median = sorted(samples[1:])[len(samples[1:]) // 2]
-            self.calibrated[n] = max([median, *self.calibrated.values()])  # more rows never cost less
+            self.calibrated[n] = sorted(samples[1:])[len(samples[1:]) // 2]
         backend.truncate(0)
+        self._line = None
 
     def observe_pass(self, rows: int, seconds: float) -> None:
-        weight = EMA if self.measured else 1.0
-        self.scale += weight * (seconds / self.shape(rows) - self.scale)
+        self._sums = [FIT_DECAY * total for total in self._sums]
+        for index, value in enumerate((1.0, rows, rows * rows, seconds, rows * seconds)):
+            self._sums[index] += value
+        self._line = None
         count_total = self.measured.setdefault(rows, [0, 0.0])
         count_total[0] += 1
         count_total[1] += seconds
 
-    def pass_time(self, rows: int) -> float:
-        return self.scale * self.shape(rows)
+    def pass_time(self, rows: float) -> float:
+        if self._line is None:
+            self._line = self._fit_line()
+        a, b = self._line
+        return a + b * rows
 
-    def shape(self, rows: int) -> float:
-        """The load-time seconds of a pass of `rows` rows: linear between the sizes timed, and
-        along the last segment beyond them; the prior without a calibration."""
-        sizes = sorted(self.calibrated)
-        if len(sizes) < 2:
-            base = self.calibrated[sizes[0]] / _prior_shape(sizes[0]) if sizes else PRIOR_PASS
-            return base * _prior_shape(rows)
-        high = next((n for n in sizes[1:] if n >= rows), sizes[-1])
-        low = sizes[sizes.index(high) - 1]
-        slope = (self.calibrated[high] - self.calibrated[low]) / (high - low)
-        return max(self.calibrated[low] + slope * (rows - low), self.calibrated[sizes[0]])
+    def _fit_line(self) -> tuple[float, float]:
+        """(a, b) of the weighted least-squares line, b >= 0; the prior's before any timing."""
+        seeds = self.calibrated or {1: PRIOR_PASS, 17: PRIOR_PASS * _prior_shape(17)}
+        w, wt, wtt, wy, wty = self._sums
+        for n, seconds in seeds.items():
+            w, wt, wtt = w + CALIBRATION_WEIGHT, wt + CALIBRATION_WEIGHT * n, wtt + CALIBRATION_WEIGHT * n * n
+            wy, wty = wy + CALIBRATION_WEIGHT * seconds, wty + CALIBRATION_WEIGHT * n * seconds
+        spread = w * wtt - wt * wt
+        b = max(0.0, (w * wty - wt * wy) / spread) if spread > 0 else 0.0
+        a = (wy - b * wt) / w
+        return (a, b) if a > 0 else (wy / w, 0.0)  # never a pass for free: the mean, flat
 
     def observe_draft(self, strategy: str, steps: int, seconds: float) -> None:
         """A draft of `steps` steps took `seconds`: at most twice the estimate counts, since the
@@ -143,7 +154,7 @@ class CostModel:
         return rows
 
 
-def _prior_shape(rows: int) -> float:
+def _prior_shape(rows: float) -> float:
     return 1.0 + PRIOR_SLOPE * (rows - 1)
 
 
@@ -300,7 +311,7 @@ class AdaptivePolicy:
         if record is None or self._idle[strategy] >= PROBE_EVERY:
             return float("inf")
         costs = self.models.costs
-        seconds = t_sunk + costs.draft_time(strategy, record.rows) + costs.pass_time(round(record.rows))
+        seconds = t_sunk + costs.draft_time(strategy, record.rows) + costs.pass_time(record.rows)
         return record.tokens - self.rate * seconds
 
     def stopper(self, strategy: str) -> Stopper:
