@@ -85,7 +85,7 @@ class CpuCosts(CostModel):
 
     def __init__(self) -> None:
         super().__init__()
-        self.passes.update({1: 0.010, 17: 0.026})
+        self.calibrated.update({1: 0.010, 17: 0.026})
 
     def observe_pass(self, rows: int, seconds: float) -> None:
         """Held fixed."""
@@ -94,8 +94,17 @@ class CpuCosts(CostModel):
         """Held fixed."""
 
 
+class CpuPolicyModels(PolicyModels):
+    """Policy models over `CpuCosts`, whose achieved rate is held at plain generation's under
+    those costs: the tiny models' real steps would value a second at thousands of tokens."""
+
+    @property
+    def rate(self) -> float | None:
+        return None
+
+
 def cpu_policy() -> PolicyModels:
-    return PolicyModels(costs=CpuCosts())
+    return CpuPolicyModels(costs=CpuCosts())
 
 
 # --------------------------------------------------------------------------- properties
@@ -465,6 +474,21 @@ def test_adaptive_policy_equals_plain(
     exactness_log.record(
         f"adaptive/{verify}", f"{kind} {','.join(types)}", result.stats, result.stats.stop_reason
     )
+
+
+def test_adaptive_policy_drafts_what_is_kept(zoo, exactness_log):
+    """The adaptive property test is not vacuous: with a draft identical to the target, the
+    policy drafts, and everything it drafts is kept."""
+    spec = TargetSpec(seed=1, hidden=32, layers=2, eos_tie=False)
+    config = GenerationConfig(n_predict=32, ignore_eos=True)
+    prompt = list(range(3, 20))
+    expected = plain(zoo, spec, prompt, GREEDY, config)
+    target, draft = zoo.pair(spec, 0.0)
+    pipe = Pipeline(target, draft, spec_policy="adaptive", policy_models=cpu_policy())
+    result = pipe.generate(prompt, GREEDY, config)
+    check_same(result, expected)
+    assert result.stats.totals.n_accepted == result.stats.totals.n_drafted >= 16
+    exactness_log.record("adaptive/match", "0.0 draft", result.stats, result.stats.stop_reason)
 
 
 def test_property_setup_is_not_vacuous(zoo):

@@ -17,9 +17,9 @@ depends on the text, the models and the machine, so `adaptive` measures instead:
   expected gain (the tokens its steps emitted, less what its usual draft length costs) beats
   the best of those and of a plain step, and it stops growing its draft when one more token's
   gain (its chance of being reached and kept, less the cost of its draft step and verify row)
-  turns negative. A plain step
-  (k = 0, one row) is always a candidate, so a strategy that never gets accepted stops being
-  paid for; one not run for a while is tried again, in case the text changed.
+  turns negative. A plain step (k = 0, one row) is always a candidate, so a strategy that never
+  gets accepted stops being paid for; a drafting model not run for a while is tried again, in
+  case the text changed.
 
 Where verification keeps a draft token exactly when it equals the token emitted at its place
 (`match`, or greedy sampling), the model-free drafts that were not chosen are scored against
