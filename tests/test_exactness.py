@@ -34,6 +34,7 @@ from hypothesis import strategies as st
 
 from specdecode import DraftModelConfig, GenerationConfig, HFBackend, Pipeline, SamplingParams
 from specdecode.backends.native import NativeBackend
+from specdecode.policy import CostModel, PolicyModels
 from specdecode.sampling import Sampler, greedy_token
 from specdecode.strategies import NgramMapConfig, NgramModConfig, NgramSettings
 from specdecode.testing import make_llama, perturbed_copy, truncated_copy
@@ -75,6 +76,35 @@ def check_same(spec_result, plain_result) -> None:
 
 def plain(zoo, spec: TargetSpec, prompt, sampling: SamplingParams, config: GenerationConfig, **backend_kw):
     return Pipeline(zoo.backend(zoo.target(spec), **backend_kw)).generate(prompt, sampling, config)
+
+
+class CpuCosts(CostModel):
+    """A large target's costs on a CPU (a pass of 17 rows 2.6x one row, a draft step a tenth of
+    a one-row pass), held fixed: on the tiny models here a draft step costs what a target step
+    does, and measured costs would have the policy draft next to nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calibrated.update({1: 0.010, 17: 0.026})
+
+    def observe_pass(self, rows: int, seconds: float) -> None:
+        """Held fixed."""
+
+    def observe_draft(self, strategy: str, steps: int, seconds: float) -> None:
+        """Held fixed."""
+
+
+class CpuPolicyModels(PolicyModels):
+    """Policy models over `CpuCosts`, whose achieved rate is held at plain generation's under
+    those costs: the tiny models' real steps would value a second at thousands of tokens."""
+
+    @property
+    def rate(self) -> float | None:
+        return None
+
+
+def cpu_policy() -> PolicyModels:
+    return CpuPolicyModels(costs=CpuCosts())
 
 
 # --------------------------------------------------------------------------- properties
@@ -257,12 +287,14 @@ eagle3_chains = st.sampled_from([["eagle3"], ["eagle3"], ["draft", "eagle3"], ["
     temperature=st.sampled_from([0.0, 0.0, 0.8]),
     seed=st.integers(0, 2**32 - 1),
     stop=st.sampled_from([(), (), ("e",)]),
+    policy=st.sampled_from(["classic", "classic", "adaptive"]),
 )
 def test_eagle3_speculation_equals_plain(
-    exactness_log, types, prompt, draft_config, n_predict, ignore_eos, verify, temperature, seed, stop
+    exactness_log, types, prompt, draft_config, n_predict, ignore_eos, verify, temperature, seed, stop, policy
 ):
-    """EAGLE-3 alone and in chains, on conftest's EAGLE-3 target with its briefly trained head:
-    greedy (either verification) and `match` at temperature 0.8 give plain generation's tokens."""
+    """EAGLE-3 alone and in chains, on conftest's EAGLE-3 target with its briefly trained head,
+    under either policy: greedy (either verification) and `match` at temperature 0.8 give plain
+    generation's tokens."""
     if temperature > 0:
         verify = "match"  # rejection sampling is checked for its distribution, not its tokens
     sampling = SamplingParams(temperature=temperature, seed=seed)
@@ -272,11 +304,18 @@ def test_eagle3_speculation_equals_plain(
     expected = Pipeline(HFBackend(target, tokenizer)).generate(prompt, sampling, config)
     draft = HFBackend(perturbed_copy(target, 1.0), tokenizer) if "draft" in types else None
     pipe = Pipeline(
-        HFBackend(target, tokenizer), draft, eagle3=eagle3_head(), spec_types=types, draft_config=draft_config
+        HFBackend(target, tokenizer),
+        draft,
+        eagle3=eagle3_head(),
+        spec_types=types,
+        draft_config=draft_config,
+        spec_policy=policy,
+        policy_models=cpu_policy(),
     )
     result = pipe.generate(prompt, sampling, config)
     check_same(result, expected)
-    exactness_log.record(f"eagle3/{verify}", ",".join(types), result.stats, result.stats.stop_reason)
+    label = f"eagle3/{verify}" + ("/adaptive" if policy == "adaptive" else "")
+    exactness_log.record(label, ",".join(types), result.stats, result.stats.stop_reason)
 
 
 # --------------------------------------------------------------------------- float32, native backend
@@ -369,6 +408,87 @@ def test_native_float32_speculation_equals_plain(
 
 
 # --------------------------------------------------------------------------- deterministic cases
+
+
+ADAPTIVE_CHAINS = (
+    ["draft"],
+    ["draft"],
+    ["ngram-simple", "draft"],
+    ["ngram-map-k4v", "ngram-mod", "draft"],
+    ["ngram-simple", "ngram-cache"],
+)
+
+
+# Learns across the examples, so that later ones run the policy from many learnt states.
+SHARED_POLICY = cpu_policy()
+
+
+@settings(max_examples=30, **SETTINGS)
+@given(
+    spec=target_specs,
+    kind=st.sampled_from(WEIGHTED_KINDS),
+    types=st.sampled_from(ADAPTIVE_CHAINS),
+    prompt=prompts,
+    draft_config=draft_configs,
+    n_predict=n_predicts,
+    ignore_eos=st.booleans(),
+    verify=st.sampled_from(["match", "rejection"]),
+    temperature=st.sampled_from([0.0, 0.0, 0.8]),
+    seed=st.integers(0, 2**32 - 1),
+    shared=st.booleans(),
+)
+def test_adaptive_policy_equals_plain(
+    zoo,
+    exactness_log,
+    spec,
+    kind,
+    types,
+    prompt,
+    draft_config,
+    n_predict,
+    ignore_eos,
+    verify,
+    temperature,
+    seed,
+    shared,
+):
+    """Whatever the adaptive policy drafts (strategy, length, no draft), greedy generation
+    (either verification) and `match` sampling give plain generation's tokens."""
+    if temperature > 0:
+        verify = "match"  # rejection sampling is checked for its distribution, not its tokens
+    sampling = SamplingParams(temperature=temperature, seed=seed)
+    config = GenerationConfig(n_predict=n_predict, ignore_eos=ignore_eos, verify=verify)
+    expected = plain(zoo, spec, prompt, sampling, config)
+    target, draft = zoo.pair(spec, kind)
+    pipe = Pipeline(
+        target,
+        draft if "draft" in types else None,
+        spec_types=types,
+        draft_config=draft_config,
+        ngram=SHORT_NGRAMS,
+        spec_policy="adaptive",
+        policy_models=SHARED_POLICY if shared else cpu_policy(),
+    )
+    result = pipe.generate(prompt, sampling, config)
+    check_same(result, expected)
+    exactness_log.record(
+        f"adaptive/{verify}", f"{kind} {','.join(types)}", result.stats, result.stats.stop_reason
+    )
+
+
+def test_adaptive_policy_drafts_what_is_kept(zoo, exactness_log):
+    """The adaptive property test is not vacuous: with a draft identical to the target, the
+    policy drafts, and everything it drafts is kept."""
+    spec = TargetSpec(seed=1, hidden=32, layers=2, eos_tie=False)
+    config = GenerationConfig(n_predict=32, ignore_eos=True)
+    prompt = list(range(3, 20))
+    expected = plain(zoo, spec, prompt, GREEDY, config)
+    target, draft = zoo.pair(spec, 0.0)
+    pipe = Pipeline(target, draft, spec_policy="adaptive", policy_models=cpu_policy())
+    result = pipe.generate(prompt, GREEDY, config)
+    check_same(result, expected)
+    assert result.stats.totals.n_accepted == result.stats.totals.n_drafted >= 16
+    exactness_log.record("adaptive/match", "0.0 draft", result.stats, result.stats.stop_reason)
 
 
 def test_property_setup_is_not_vacuous(zoo):

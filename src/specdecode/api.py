@@ -23,6 +23,7 @@ from specdecode.eagle3.checkpoint import load_head
 from specdecode.eagle3.head import Eagle3Head
 from specdecode.errors import SpecdecodeError
 from specdecode.generate import Generation, GenerationConfig
+from specdecode.policy import AdaptivePolicy, PolicyModels, check_policy
 from specdecode.sampling import Sampler, SamplingParams
 from specdecode.stats import GenerationStats
 from specdecode.strategies import DraftModelConfig, NgramSettings, SharedState, SpecSetup, build_strategies
@@ -50,6 +51,8 @@ class Pipeline:
         replacements: Sequence[tuple[str, str]] | None = None,
         shared: SharedState | None = None,
         eagle3: Eagle3Head | None = None,
+        spec_policy: str = "classic",
+        policy_models: PolicyModels | None = None,
     ) -> None:
         """spec_types: enabled strategy names (None: "draft" when a draft is given and "eagle3"
         when a head is, else none).
@@ -58,7 +61,11 @@ class Pipeline:
         replacements: (target text, draft text) pairs; given (even empty), a draft whose
         vocabulary differs is used through text translation instead of being refused.
         shared: state to share with other pipelines (see `fork`); None makes the pipeline's own.
-        eagle3: a head loaded for this target (`specdecode.eagle3.load_head`)."""
+        eagle3: a head loaded for this target (`specdecode.eagle3.load_head`).
+        spec_policy: "classic" (llama.cpp's fixed chain and p_min) or "adaptive" (each step
+        drafts what maximises expected tokens per second, see `specdecode.policy`).
+        policy_models: what the adaptive policy has learned, to share (None: new models whose
+        pass costs are timed on the target now)."""
         self.target = target
         self.draft = draft
         self.eagle3 = eagle3
@@ -74,6 +81,13 @@ class Pipeline:
         if "eagle3" in self.spec_types and eagle3 is None:
             raise SpecdecodeError("--spec-type eagle3 needs an EAGLE-3 head (-me DIR)")
         self.shared = shared if shared is not None else SharedState(ngram, self.spec_types, target.vocab.size)
+        self.spec_policy = check_policy(spec_policy)
+        self._check_chains(draft_config)
+        self.policy_models = None
+        if spec_policy == "adaptive" and self.spec_types:
+            self.policy_models = (
+                policy_models if policy_models is not None else PolicyModels.for_target(target)
+            )
 
     @classmethod
     def load(
@@ -104,6 +118,8 @@ class Pipeline:
             replacements=self.replacements,
             shared=self.shared,
             eagle3=self.eagle3,
+            spec_policy=self.spec_policy,
+            policy_models=self.policy_models,
         )
 
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
@@ -119,6 +135,7 @@ class Pipeline:
         """A generation to iterate for chunks; its tokens, text and stats are complete after.
 
         draft_config: drafting settings for this generation only (None: the pipeline's own)."""
+        self._check_chains(draft_config or self.draft_config)
         sampler = Sampler(sampling)
         setup = SpecSetup(
             target=self.target,
@@ -132,7 +149,12 @@ class Pipeline:
             ngram=self.ngram,
             shared=self.shared,
         )
-        chain = Chain(build_strategies(self.spec_types, setup))
+        policy = None
+        if self.policy_models is not None:
+            policy = AdaptivePolicy(
+                self.policy_models, counterfactual=config.verify == "match" or sampling.greedy
+            )
+        chain = Chain(build_strategies(self.spec_types, setup), policy)
         return Generation(self.target, chain, sampler, config, self.encode(prompt))
 
     def generate(
@@ -145,6 +167,14 @@ class Pipeline:
         for _ in run:
             pass
         return Result(run.text, run.tokens, run.stats)
+
+    def _check_chains(self, config: DraftModelConfig) -> None:
+        """The adaptive policy drafts chains: refuse tree settings rather than ignore them."""
+        if self.spec_policy == "adaptive" and (config.n_parallel > 1 or config.tree_tokens > 0):
+            raise SpecdecodeError(
+                "--spec-policy adaptive drafts chains: --draft-n-parallel and --draft-tree-tokens "
+                "need --spec-policy classic"
+            )
 
     def _translator(self, replacements: Sequence[tuple[str, str]] | None) -> VocabTranslator | None:
         if self.draft is None:

@@ -11,7 +11,13 @@ That is safe because a strategy owns neither the target's cache nor the sampler:
 proposes is verified, and the step cuts the target back to `history` after drafting, so the
 output stays plain generation's. What is not known after an exception is the strategy's own
 state, so it is not called again in that generation (not even `end`, which would persist that
-state, e.g. ngram-cache's dynamic file). Errors that are not the strategy's propagate: a
+state, e.g. ngram-cache's dynamic file).
+
+With an `AdaptivePolicy` (`specdecode.policy`) the chain asks every model-free strategy, keeps
+the draft (cut to the length) with the best expected tokens per second, and runs a drafting
+model only when its measured rate beats that, stopping its draft by the policy's rule instead
+of p_min; no draft at all (a plain step) is a candidate too. `accept` then reports the step's
+outcome and pass time to the policy. Errors that are not the strategy's propagate: a
 SpecdecodeError (a refusal of the user's input or settings), and running out of memory (the
 target's pass would be next).
 """
@@ -26,19 +32,24 @@ from dataclasses import replace
 import torch
 
 from specdecode.errors import SpecdecodeError
+from specdecode.policy import AdaptivePolicy, Stopper
 from specdecode.stats import StrategyStats
 from specdecode.strategies import Draft, Strategy
+from specdecode.strategies.base import Steerable
 
 # Raised by a strategy, these end the generation as they would without speculation.
 PROPAGATED = (SpecdecodeError, MemoryError, torch.OutOfMemoryError)
 
 
 class Chain:
-    def __init__(self, strategies: Sequence[Strategy]) -> None:
+    def __init__(self, strategies: Sequence[Strategy], policy: AdaptivePolicy | None = None) -> None:
+        """policy: None for the classic chain."""
         self.strategies = list(strategies)
         self.stats = [StrategyStats(s.name) for s in self.strategies]
+        self.policy = policy
         self._last: int | None = None  # index of the strategy whose draft is being verified
         self._failed: set[int] = set()  # strategies that raised: not called again
+        self._step: _Step | None = None  # the adaptive policy's record of this step's drafting
 
     def __bool__(self) -> bool:
         return bool(self.strategies)
@@ -63,32 +74,98 @@ class Chain:
 
     def draft(self, history: Sequence[int], last: int, n_max: int, n_nodes: int | None = None) -> Draft:
         """The first non-empty draft at least n_min deep, cut to n_max tokens deep and (trees)
-        n_nodes nodes; empty if none."""
+        n_nodes nodes; empty if none. With a policy: the draft it chooses, or none."""
         self._last = None
-        for index, (strategy, stats) in enumerate(zip(self.strategies, self.stats, strict=True)):
+        if self.policy is not None:
+            return self._draft_adaptive(self.policy, history, last, n_max)
+        for index, strategy in enumerate(self.strategies):
             if index in self._failed:
                 continue
-            start = time.perf_counter()
-            try:
-                draft = strategy.draft(history, last, n_max)
-            except PROPAGATED:
-                raise
-            except Exception as exc:
-                self._fail(index, "draft", exc)
-                draft = Draft()
-            stats.t_draft += time.perf_counter() - start
-            stats.n_call_draft += 1
+            draft = self._ask(index, history, last, n_max)
             if draft.tokens and draft.depth >= strategy.n_min:
-                draft = replace(draft.truncated(n_max, n_nodes).simplified(), strategy=strategy.name)
-                stats.n_gen_drafts += 1
-                stats.n_gen_tokens += len(draft.tokens)
-                self._last = index
-                return draft
+                return self._chosen(index, draft.truncated(n_max, n_nodes).simplified())
         return Draft()
 
-    def accept(self, draft: Draft, n_accepted: int) -> None:
+    def _ask(self, index: int, history: Sequence[int], last: int, n_max: int) -> Draft:
+        """Strategy `index`'s draft, timed and counted; empty if it failed."""
+        start = time.perf_counter()
+        try:
+            draft = self.strategies[index].draft(history, last, n_max)
+        except PROPAGATED:
+            raise
+        except Exception as exc:
+            self._fail(index, "draft", exc)
+            draft = Draft()
+        self.stats[index].t_draft += time.perf_counter() - start
+        self.stats[index].n_call_draft += 1
+        return draft
+
+    def _chosen(self, index: int, draft: Draft) -> Draft:
+        """The draft to verify, from strategy `index`."""
+        stats = self.stats[index]
+        stats.n_gen_drafts += 1
+        stats.n_gen_tokens += len(draft.tokens)
+        self._last = index
+        return replace(draft, strategy=self.strategies[index].name)
+
+    def _draft_adaptive(self, policy: AdaptivePolicy, history: Sequence[int], last: int, n_max: int) -> Draft:
+        """Every model-free draft cut to its best length, against a plain step, against the
+        drafting model with the best measured rate (run only if that rate is the best)."""
+        start = time.perf_counter()
+        step = self._step = _Step()
+        candidates: list[tuple[float, int, Draft]] = []  # (gain, strategy, draft cut to its length)
+        models: list[int] = []
+        for index, strategy in enumerate(self.strategies):
+            if index in self._failed:
+                continue
+            if isinstance(strategy, Steerable):
+                models.append(index)
+                continue
+            draft = self._ask(index, history, last, n_max).truncated(n_max).simplified()
+            if draft.tokens and draft.is_chain:
+                k, gain = policy.best_length(strategy.name, len(draft.tokens), time.perf_counter() - start)
+                step.drafts[index] = draft.tokens
+                if k > 0:
+                    candidates.append((gain, index, draft.truncated(k)))
+        t_sunk = time.perf_counter() - start
+        best_gain, best_index, best_draft = max(candidates, default=(policy.plain_gain(t_sunk), -1, Draft()))
+        if candidates and policy.plain_gain(t_sunk) >= best_gain:
+            best_index, best_draft = -1, Draft()
+        if models:
+            names = [self.strategies[index].name for index in models]
+            index = max(models, key=lambda i: policy.model_gain(self.strategies[i].name, t_sunk))
+            if policy.model_gain(self.strategies[index].name, t_sunk) > max(
+                best_gain, policy.plain_gain(t_sunk)
+            ):
+                strategy = self.strategies[index]
+                step.model = strategy.name
+                step.stopper = policy.stopper(strategy.name)
+                model_start = time.perf_counter()
+                strategy.keep_drafting = step.stopper
+                try:
+                    draft = self._ask(index, history, last, n_max)
+                finally:
+                    strategy.keep_drafting = None
+                step.t_model = time.perf_counter() - model_start
+                if draft.tokens and draft.is_chain:
+                    best_index, best_draft = index, draft.truncated(n_max)
+            policy.skipped([name for name in names if name != step.model])
+        step.t_draft = time.perf_counter() - start
+        step.others = {
+            self.strategies[i].name: tokens for i, tokens in step.drafts.items() if i != best_index
+        }
+        if best_index < 0:
+            return Draft()
+        step.strategy = self.strategies[best_index].name
+        return self._chosen(best_index, best_draft)
+
+    def accept(self, draft: Draft, n_accepted: int, t_pass: float = 0.0, emitted: Sequence[int] = ()) -> None:
         """Report the verification of the last draft: n_accepted tokens kept, down one path
-        (no-op without a draft)."""
+        (for strategies, a no-op without a draft), in a target pass of t_pass seconds that
+        emitted these tokens."""
+        if self.policy is not None and self._step is not None:
+            self._step.report(self.policy, draft, n_accepted, t_pass, emitted)
+            self._step = None
         if self._last is None:
             return
         index, self._last = self._last, None
@@ -116,3 +193,30 @@ class Chain:
             RuntimeWarning,
             stacklevel=3,
         )
+
+
+class _Step:
+    """What the adaptive chain drafted in one step, until `accept` reports its outcome."""
+
+    def __init__(self) -> None:
+        self.strategy: str | None = None  # whose draft is verified (None: a plain step)
+        self.model: str | None = None  # the drafting model run, if any
+        self.stopper: Stopper | None = None  # its stopping rule, which saw its confidences
+        self.t_draft = 0.0
+        self.t_model = 0.0
+        self.drafts: dict[int, list[int]] = {}  # model-free strategy -> its draft
+        self.others: dict[str, list[int]] = {}  # the drafts not verified, by strategy
+
+    def report(
+        self, policy: AdaptivePolicy, draft: Draft, n_accepted: int, t_pass: float, emitted: Sequence[int]
+    ) -> None:
+        k = len(draft.tokens)
+        confidences: list[float | None] = [None] * k
+        if self.stopper is not None and self.strategy == self.model:
+            seen = self.stopper.confidences  # a translated draft may differ in length: pad with the last
+            confidences = [seen[min(i, len(seen) - 1)] for i in range(k)] if seen else confidences
+        steps = len(self.stopper.confidences) + 1 if self.stopper is not None else 0
+        policy.observe(
+            self.strategy, confidences, n_accepted, self.t_draft, t_pass, self.model, steps, self.t_model
+        )
+        policy.observe_unverified(self.others, emitted)

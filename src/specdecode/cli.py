@@ -25,6 +25,7 @@ from specdecode.errors import SpecdecodeError, read_text_file
 from specdecode.generate import GenerationConfig
 from specdecode.loadtest import add_loadtest_parser
 from specdecode.lookup import add_lookup_parser
+from specdecode.policy import SPEC_POLICIES
 from specdecode.sampling import SamplingParams
 from specdecode.server import serve
 from specdecode.strategies import (
@@ -92,6 +93,14 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
 def add_spec_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("speculation")
     group.add_argument("--spec-type", help="comma-separated strategies, tried cheapest first (listed below)")
+    group.add_argument(
+        "--spec-policy",
+        choices=SPEC_POLICIES,
+        default="classic",
+        help="classic: llama.cpp's fixed chain, --draft-p-min and --draft-max; adaptive: each step "
+        "drafts the strategy and length with the most expected tokens per second, from pass costs "
+        "timed at load and acceptance measured as it runs (chains only; --draft-max caps the length)",
+    )
     group.add_argument("--draft-max", "--spec-draft-n-max", type=int, default=16, help="max draft tokens")
     group.add_argument(
         "--draft-min", "--spec-draft-n-min", type=int, default=0, help="drop drafts shorter than this"
@@ -279,6 +288,7 @@ def pipeline_from_args(args: argparse.Namespace) -> Pipeline:
         draft_config=draft_config(args),
         ngram=ngram_from_args(args),
         replacements=[tuple(pair) for pair in args.spec_replace] if args.spec_replace else None,
+        spec_policy=args.spec_policy,
     )
 
 

@@ -107,6 +107,7 @@ class Generation:
         t1 = time.perf_counter()
         self.target.truncate(len(history))
         logits = self._score(last, draft)  # [N+1, V]
+        t_pass = time.perf_counter() - t1
         verdict = self._verify(draft, logits, [*history, last])
         self._keep(history, last, draft, verdict.path)
         self.stats.t_draft += t1 - t0
@@ -114,8 +115,11 @@ class Generation:
         n_accepted = len(verdict.path)
         self.stats.n_passes += 1
         self.stats.n_step_tokens += len(verdict.emitted)
+        if self.chain:
+            self.chain.accept(
+                draft, n_accepted, t_pass, verdict.emitted
+            )  # also without a draft: for the policy
         if draft.tokens:
-            self.chain.accept(draft, n_accepted)
             self.stats.totals.record(len(draft.tokens), draft.depth, n_accepted)
         return self._emit(verdict.emitted, draft, n_accepted)
 

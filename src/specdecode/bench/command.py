@@ -4,6 +4,7 @@ specdecode bench --quick              # the bundled pair, 1 prompt per task, und
 specdecode bench --out bench-results  # the full suite: 3 prompts per task, 128 tokens, 3 runs
 specdecode bench -m TARGET -md DRAFT --systems plain,draft,hf-plain,hf-assisted
 specdecode bench -m TARGET -md DRAFT -me HEAD --systems plain,draft,eagle3 --tasks completion
+specdecode bench --systems plain,draft,draft@adaptive   # a system's adaptive policy
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from specdecode.backends.hf import HFBackend, LoadOptions
 from specdecode.backends.load import load_backend
 from specdecode.bench import plots
 from specdecode.bench.metrics import summarize
-from specdecode.bench.report import print_tables, sweep_lines, write_outputs
+from specdecode.bench.report import policy_lines, policy_summary, print_tables, sweep_lines, write_outputs
 from specdecode.bench.suite import Measurement, rounds, run_suite
 from specdecode.bench.systems import System, build_systems, draft_max_systems, system_names
 from specdecode.bench.tasks import TASK_NAMES, Task, build_tasks, custom_task
@@ -51,8 +52,9 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     group.add_argument("--tasks", default=",".join(TASK_NAMES), help="comma-separated tasks")
     group.add_argument(
         "--systems",
-        help="comma-separated systems, a chain's strategies joined by + (ngram-simple+draft); "
-        "default: all that the models allow",
+        help="comma-separated systems, a chain's strategies joined by + (ngram-simple+draft), "
+        "@adaptive after a chain for the adaptive policy (draft@adaptive); default: all that the "
+        "models allow, with the classic policy",
     )
     group.add_argument("--no-hf", action="store_true", help="leave Hugging Face's generate out")
     group.add_argument("-p", "--prompt", action="append", help="your own prompt (repeatable): a custom task")
@@ -160,6 +162,11 @@ def run_bench(
     rows = summarize(measurements)
     results = {"settings": chosen, "machine": _machine(target), "systems": [s.name for s in systems]}
     results |= {"tasks": {t.name: list(t.prompts) for t in tasks}, "rows": rows, "draft_max_sweep": sweep}
+    results["policies"] = {
+        system.name: policy_summary(system.policy_models)
+        for system in systems
+        if getattr(system, "policy_models", None) is not None
+    }
     header = f"specdecode bench ({chosen['mode']}): {target.name} / {draft.name if draft else 'no draft'}"
     if eagle3 is not None:
         header += f" / EAGLE-3 head {args.model_eagle3.name if args.model_eagle3 else '(bundled)'}"
@@ -167,6 +174,8 @@ def run_bench(
     print_tables(rows, _stdout_console())
     for line in sweep_lines(sweep):
         print(line)
+    for name, summary in results["policies"].items():
+        print("\n".join(policy_lines(name, summary)))
     written = write_outputs(args.out, results, rows, header)
     if not args.no_plots:
         written += _plots(rows, sweep, args.out)

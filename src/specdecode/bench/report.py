@@ -20,6 +20,7 @@ from rich.console import Console
 from rich.table import Table
 
 from specdecode.errors import SpecdecodeError
+from specdecode.policy import PolicyModels
 
 COLUMNS = (
     "system",
@@ -101,6 +102,32 @@ def sweep_lines(sweep: Sequence[dict]) -> list[str]:
     ]
 
 
+def policy_summary(models: PolicyModels) -> dict:
+    """What an adaptive system chose (runs, by strategy and draft length) and how the pass costs
+    timed at load compare with the passes it ran."""
+    choices: dict[str, dict[int, int]] = {}
+    for (strategy, length), count in sorted(models.choices.items()):
+        choices.setdefault(strategy, {})[length] = count
+    return {"choices": choices, "cost_fit": models.costs.fit()}
+
+
+def policy_lines(name: str, summary: dict) -> list[str]:
+    """Readable lines of `policy_summary`: the choice histogram, then the cost fit."""
+    lines = [f"{name}: steps by strategy and draft length"]
+    for strategy, lengths in summary["choices"].items():
+        cells = ", ".join(f"{length}: {count}" for length, count in sorted(lengths.items()))
+        lines.append(f"  {strategy:<14} {sum(lengths.values()):5d} steps  ({cells})")
+    fit = [
+        f"T={row['rows']} {row['measured_ms']:.1f}/{row['model_ms']:.1f}"
+        + ("" if row["timed_ms"] is None else f"/{row['timed_ms']:.1f}")
+        for row in summary["cost_fit"]
+    ]
+    lines.append(
+        "  ms per pass of T rows, measured mean / cost model at the end / timed at load: " + ", ".join(fit)
+    )
+    return lines
+
+
 def write_outputs(out_dir: Path, results: dict, rows: Sequence[dict], header: str) -> list[Path]:
     """results.json (everything) and results.md (the tables) in out_dir."""
     try:
@@ -111,6 +138,8 @@ def write_outputs(out_dir: Path, results: dict, rows: Sequence[dict], header: st
         if results.get("draft_max_sweep"):
             text += "\n### speed-up vs --draft-max (draft, completion)\n\n"
             text += "\n".join(f"- {line}" for line in sweep_lines(results["draft_max_sweep"])) + "\n"
+        for name, summary in results.get("policies", {}).items():
+            text += "\n```\n" + "\n".join(policy_lines(name, summary)) + "\n```\n"
         md_path.write_text(text, encoding="utf-8")
     except OSError as exc:
         raise SpecdecodeError(f"cannot write the results into {out_dir}: {exc}") from None

@@ -4,6 +4,10 @@ A system turns prompt ids into a fixed number of greedy tokens and says how long
 end to end (prompt evaluation included), timed the same way for every system. All systems
 share the same loaded target (and draft) weights, so they differ only in how they decode.
 End-of-generation tokens do not stop any system: every run does the same amount of work.
+
+A system of ours named with the suffix "@adaptive" (draft@adaptive, ngram-simple,draft@adaptive)
+runs the adaptive policy instead of the classic chain; its `PolicyModels` are timed once when
+the system is built and then learn across all of its runs, as a server's would across requests.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from specdecode.backends.hf import HFBackend
 from specdecode.eagle3.head import Eagle3Head
 from specdecode.errors import SpecdecodeError
 from specdecode.generate import GenerationConfig
+from specdecode.policy import PolicyModels
 from specdecode.sampling import SamplingParams
 from specdecode.stats import GenerationStats
 from specdecode.strategies import PRIORITY, DraftModelConfig, NgramSettings
@@ -37,6 +42,7 @@ EAGLE3_TREE_SYSTEMS = ("eagle3-tree", "ngram-simple,eagle3-tree")
 TREES = {"draft-tree": "draft", "eagle3-tree": "eagle3"}
 # Hugging Face's documented example value; its n-gram size stays at the default (2).
 HF_PROMPT_LOOKUP_TOKENS = 10
+ADAPTIVE = "@adaptive"
 
 
 @dataclass
@@ -61,9 +67,12 @@ class OursSystem:
 
     family = "ours"
 
-    def __init__(self, name: str, make_pipeline: Callable[[], Pipeline]) -> None:
+    def __init__(
+        self, name: str, make_pipeline: Callable[[], Pipeline], policy_models: PolicyModels | None = None
+    ) -> None:
         self.name = name
         self.make_pipeline = make_pipeline
+        self.policy_models = policy_models  # the adaptive policy's, shared by every run
 
     def run(self, prompt: list[int], n_predict: int) -> Run:
         config = GenerationConfig(n_predict=n_predict, ignore_eos=True)
@@ -130,6 +139,8 @@ def build_systems(
 ) -> list[System]:
     """The named systems over the loaded models; "plain" always comes first (the baseline)."""
     known = system_names(draft is not None, include_hf=True, has_eagle3=eagle3 is not None)
+    ours = [name for name in known if not name.startswith("hf-") and name != "plain"]
+    known += [name + ADAPTIVE for name in ours if "tree" not in name]
     unknown = [name for name in names if name not in known]
     if unknown:
         raise SpecdecodeError(
@@ -154,13 +165,15 @@ def _system(
         return HFSystem(name, target, prompt_lookup_num_tokens=HF_PROMPT_LOOKUP_TOKENS)
     if name == "hf-assisted":
         return HFSystem(name, target, assistant=draft)
-    parts = [] if name == "plain" else name.split(",")
+    adaptive = name.endswith(ADAPTIVE)
+    parts = [] if name == "plain" else name.removesuffix(ADAPTIVE).split(",")
     spec_types = sorted((TREES.get(part, part) for part in parts), key=PRIORITY.index)
     config = replace(
         draft_config,
         n_parallel=draft_config.n_parallel if "draft-tree" in parts else 1,
         tree_tokens=draft_config.tree_tokens if "eagle3-tree" in parts else 0,
     )
+    models = PolicyModels.for_target(target) if adaptive else None
     return OursSystem(
         name,
         lambda: Pipeline(
@@ -170,7 +183,10 @@ def _system(
             spec_types=spec_types,
             draft_config=config,
             ngram=ngram,
+            spec_policy="adaptive" if adaptive else "classic",
+            policy_models=models,
         ),
+        models,
     )
 
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -101,3 +101,15 @@ class Strategy(Protocol):
     def accept(self, n_accepted: int) -> None: ...
 
     def end(self) -> None: ...
+
+
+# (depth of the next token, 1-based; its top-1 confidence) -> draft it?
+KeepDrafting = Callable[[int, float], bool]
+
+
+@runtime_checkable
+class Steerable(Protocol):
+    """A drafting model whose drafts a policy may stop token by token: while `keep_drafting` is
+    set, it replaces the `confidence >= p_min` rule (the chain sets it for one draft call)."""
+
+    keep_drafting: KeepDrafting | None

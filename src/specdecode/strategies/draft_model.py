@@ -25,7 +25,7 @@ import torch
 from specdecode.backends import Backend, evaluate_continuation
 from specdecode.errors import SpecdecodeError
 from specdecode.sampling import Sampler, distribution
-from specdecode.strategies.base import Draft
+from specdecode.strategies.base import Draft, KeepDrafting
 from specdecode.vocab import VocabTranslator
 
 CONFIDENCE_TOP_K = 10
@@ -72,6 +72,12 @@ def top1_confidence(logits: torch.Tensor) -> float:
     return float(top_candidates(logits)[1][0])
 
 
+def continue_draft(rule: KeepDrafting | None, depth: int, logits: torch.Tensor, p_min: float) -> bool:
+    """Draft the token at `depth` whose logits [V] these are? The policy's rule, else p_min's."""
+    confidence = top1_confidence(logits)
+    return confidence >= p_min if rule is None else rule(depth, confidence)
+
+
 def top_candidates(logits: torch.Tensor) -> tuple[list[int], torch.Tensor]:
     """The 10 best ids of logits [V], best first, with their probabilities under a softmax
     over those 10 logits (what p_min and p_split read)."""
@@ -99,6 +105,7 @@ class DraftModelStrategy:
         self.translator = translator
         self.sampler = sampler if sampler is not None and not sampler.params.greedy else None
         self._window_start = 0
+        self.keep_drafting: KeepDrafting | None = None  # set by a policy: replaces p_min
         if config.n_parallel > 1 and translator is not None:
             raise SpecdecodeError(
                 "--draft-n-parallel > 1 needs a draft of the target's vocabulary: tree nodes cannot be "
@@ -126,7 +133,9 @@ class DraftModelStrategy:
             return self._draft_tree(context, logits, n_max)
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
-        while len(tokens) < n_max and top1_confidence(logits) >= self.config.p_min:
+        while len(tokens) < n_max and continue_draft(
+            self.keep_drafting, len(tokens) + 1, logits, self.config.p_min
+        ):
             token, row = self._pick(logits, [*context, *tokens])
             if self.translator is None and token >= self.target_vocab_size:
                 break  # the target cannot emit ids past its vocabulary

@@ -40,8 +40,8 @@ import torch
 from specdecode.backends import Backend, common_prefix, hidden_state_source
 from specdecode.eagle3.head import Eagle3Head, HeadCache, HeadTree
 from specdecode.sampling import Sampler, distribution
-from specdecode.strategies.base import Draft
-from specdecode.strategies.draft_model import DraftModelConfig, top1_confidence
+from specdecode.strategies.base import Draft, KeepDrafting
+from specdecode.strategies.draft_model import DraftModelConfig, continue_draft
 
 
 class Eagle3Strategy:
@@ -59,6 +59,7 @@ class Eagle3Strategy:
         self.sampler = sampler if sampler is not None and not sampler.params.greedy else None
         self.cache = HeadCache()
         self._context: list[int] = []  # tokens the cached true pairs were made from
+        self.keep_drafting: KeepDrafting | None = None  # set by a policy: replaces p_min
 
     def begin(self, prompt: Sequence[int]) -> None:
         """Nothing to do: the next draft reuses whatever prefix of the head's cache still matches."""
@@ -86,7 +87,9 @@ class Eagle3Strategy:
             return self._draft_tree(h, logits, context, n_max)
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
-        while len(tokens) < n_max and top1_confidence(logits) >= self.config.p_min:
+        while len(tokens) < n_max and continue_draft(
+            self.keep_drafting, len(tokens) + 1, logits, self.config.p_min
+        ):
             token, row = self._pick(logits, [*context, *tokens])
             tokens.append(token)
             rows.append(row)

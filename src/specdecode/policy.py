@@ -1,0 +1,360 @@
+"""The adaptive speculation policy: each step, draft what maximises expected tokens per second.
+
+`classic` is llama.cpp's rule: the first strategy in priority order with a draft wins, and a
+model draft stops at the first token whose confidence is below p_min. Whether that pays
+depends on the text, the models and the machine, so `adaptive` measures instead:
+
+- Cost model: seconds of a target pass of T rows, a line a + b * T fitted to passes timed
+  briefly at load and to the passes actually run, recent ones weighing more (contexts grow,
+  machines get busy); and the seconds of one step of each drafting model.
+- Acceptance model: per strategy, depth and draft-confidence bucket, P(the token is kept |
+  its parent was), counted from every verified draft with decay, starting from the draft's
+  calibrated confidence (model drafts) or from the estimate one depth up (model-free drafts).
+- Decision: a chain of k tokens with acceptances a_1..a_k emits E_k = 1 + sum_j prod_{i<=j} a_i
+  tokens for time(k) = drafting + pass(k + 1); its gain is E_k - rate * time(k), where rate is
+  the tokens per second the policy has been achieving. Model-free drafts cost next to nothing,
+  so all are asked and each is cut to its best length; a drafting model is run when its
+  expected gain (the tokens its steps emitted, less what its usual draft length costs) beats
+  the best of those and of a plain step, and it stops growing its draft when one more token's
+  gain (its chance of being reached and kept, less the cost of its draft step and verify row)
+  turns negative. A plain step (k = 0, one row) is always a candidate, so a strategy that never
+  gets accepted stops being paid for; a drafting model not run for a while is tried again, in
+  case the text changed.
+
+Where verification keeps a draft token exactly when it equals the token emitted at its place
+(`match`, or greedy sampling), the model-free drafts that were not chosen are scored against
+the emitted tokens too, so a strategy that was passed over still gets its estimates updated.
+
+Drafts are chains: trees are left to `classic`. Whatever is drafted, verification keeps the
+output plain generation's, so the policy changes speed only.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from specdecode.backends import Backend, common_prefix
+from specdecode.errors import SpecdecodeError
+
+SPEC_POLICIES = ("classic", "adaptive")
+CALIBRATION_ROWS = (1, 2, 3, 5, 9, 17)
+CALIBRATION_REPS = 3
+CALIBRATION_CONTEXT = 32  # tokens in the cache while timing, as after a short prompt
+PRIOR_PASS = 0.01  # seconds of a one-row pass before anything is measured
+PRIOR_SLOPE = 0.1  # pass(T) / pass(1) = 1 + 0.1 (T - 1) before it is measured (a CPU's shape)
+PRIOR_DRAFT_STEP = 0.1  # a draft step, as a share of a one-row target pass, before it is measured
+EMA = 0.1  # weight of the newest observation in the moving averages
+CALIBRATION_WEIGHT = 2.0  # passes each load-time timing counts as in the cost fit
+FIT_DECAY = 0.98  # per pass run: the weight of older passes in the cost fit
+BUCKETS = 10  # confidence buckets of model drafts
+MAX_DEPTH = 64  # deeper tokens share the last depth's counts
+PRIOR_WEIGHT = 4.0  # pseudo-observations behind the prior of an acceptance estimate
+PRIOR_FREE = 0.5  # depth-1 prior of a model-free strategy, which reports no confidence
+DECAY = 0.98  # a cell's counts shrink by this at each update: recent text weighs more
+PROBE_EVERY = 8  # a drafting model left unused this many steps is run again
+
+
+def check_policy(name: str) -> str:
+    if name not in SPEC_POLICIES:
+        raise SpecdecodeError(f"unknown --spec-policy {name!r} (choose from {', '.join(SPEC_POLICIES)})")
+    return name
+
+
+class CostModel:
+    """Seconds of target passes by row count, and of draft steps by strategy.
+
+    A pass of T rows costs a + b * T, fitted by least squares to the load-time timings (each
+    worth CALIBRATION_WEIGHT passes, always) and to the passes run (weights decaying by
+    FIT_DECAY a pass, so the fit follows a growing context or a busier machine). A line, not a
+    table: one size's noisy timing must not make one more row look free or dear."""
+
+    def __init__(self) -> None:
+        self.calibrated: dict[int, float] = {}  # rows -> the load-time median
+        self.measured: dict[int, list[float]] = {}  # rows -> [count, total seconds] of passes run
+        self.draft_step: dict[str, float] = {}  # strategy -> moving average of one step
+        self._sums = [0.0] * 5  # decayed sums over passes run: w, wT, wT^2, wy, wTy
+        self._line: tuple[float, float] | None = None  # (a, b), refitted after each change
+
+    def calibrate(self, backend: Backend, rows: tuple[int, ...] = CALIBRATION_ROWS) -> None:
+        """Time passes of each row count after a short context (a few reps, the median), leaving
+        the backend's cache empty."""
+        context = [i % backend.vocab.size for i in range(3, 3 + CALIBRATION_CONTEXT)]
+        backend.truncate(0)
+        backend.evaluate(context, logits_rows=1)
+        for n in rows:
+            if len(context) + n > backend.n_ctx:
+                break
+            samples = []
+            for _ in range(CALIBRATION_REPS + 1):  # the first is a warm-up
+                start = time.perf_counter()
+                backend.evaluate(context[:n])
+                samples.append(time.perf_counter() - start)
+                backend.truncate(len(context))
+            self.calibrated[n] = sorted(samples[1:])[len(samples[1:]) // 2]
+        backend.truncate(0)
+        self._line = None
+
+    def observe_pass(self, rows: int, seconds: float) -> None:
+        self._sums = [FIT_DECAY * total for total in self._sums]
+        for index, value in enumerate((1.0, rows, rows * rows, seconds, rows * seconds)):
+            self._sums[index] += value
+        self._line = None
+        count_total = self.measured.setdefault(rows, [0, 0.0])
+        count_total[0] += 1
+        count_total[1] += seconds
+
+    def pass_time(self, rows: float) -> float:
+        if self._line is None:
+            self._line = self._fit_line()
+        a, b = self._line
+        return a + b * rows
+
+    def _fit_line(self) -> tuple[float, float]:
+        """(a, b) of the weighted least-squares line, b >= 0; the prior's before any timing."""
+        seeds = self.calibrated or {1: PRIOR_PASS, 17: PRIOR_PASS * _prior_shape(17)}
+        w, wt, wtt, wy, wty = self._sums
+        for n, seconds in seeds.items():
+            w, wt, wtt = w + CALIBRATION_WEIGHT, wt + CALIBRATION_WEIGHT * n, wtt + CALIBRATION_WEIGHT * n * n
+            wy, wty = wy + CALIBRATION_WEIGHT * seconds, wty + CALIBRATION_WEIGHT * n * seconds
+        spread = w * wtt - wt * wt
+        b = max(0.0, (w * wty - wt * wy) / spread) if spread > 0 else 0.0
+        a = (wy - b * wt) / w
+        return (a, b) if a > 0 else (wy / w, 0.0)  # never a pass for free: the mean, flat
+
+    def observe_draft(self, strategy: str, steps: int, seconds: float) -> None:
+        """A draft of `steps` steps took `seconds`: at most twice the estimate counts, since the
+        first step may also catch up with a whole prompt, which is not what a step costs."""
+        old = self.step_time(strategy)
+        self.draft_step[strategy] = (1 - EMA) * old + EMA * min(seconds / max(1, steps), 2 * old)
+
+    def step_time(self, strategy: str) -> float:
+        return self.draft_step.get(strategy, PRIOR_DRAFT_STEP * self.pass_time(1))
+
+    def draft_time(self, strategy: str, steps: float) -> float:
+        return self.step_time(strategy) * steps
+
+    def fit(self) -> list[dict]:
+        """For each row count run: the mean of the passes run against the model now, and the
+        load-time timing (where that size was timed)."""
+        rows = []
+        for n, (count, total) in sorted(self.measured.items()):
+            timed = self.calibrated.get(n)
+            rows.append(
+                {
+                    "rows": n,
+                    "passes": count,
+                    "measured_ms": 1e3 * total / count,
+                    "model_ms": 1e3 * self.pass_time(n),
+                    "timed_ms": None if timed is None else 1e3 * timed,
+                }
+            )
+        return rows
+
+
+def _prior_shape(rows: float) -> float:
+    return 1.0 + PRIOR_SLOPE * (rows - 1)
+
+
+class AcceptanceModel:
+    """P(a draft token is kept | its parent was), per (strategy, depth, confidence bucket).
+
+    Counts are [kept, rejected] pseudo-observations; an estimate mixes them with a prior worth
+    PRIOR_WEIGHT of them: a model draft's own confidence (it is calibrated: a confidence of c is
+    kept about c of the time), or for model-free drafts the estimate one depth up."""
+
+    def __init__(self) -> None:
+        self.cells: dict[tuple[str, int, int], list[float]] = {}
+
+    def estimate(self, strategy: str, depth: int, confidence: float | None, prior: float) -> float:
+        kept, rejected = self.cells.get(_cell(strategy, depth, confidence), (0.0, 0.0))
+        return (kept + PRIOR_WEIGHT * prior) / (kept + rejected + PRIOR_WEIGHT)
+
+    def chain(self, strategy: str, confidences: list[float | None]) -> list[float]:
+        """The estimate at each depth of a chain whose tokens had these confidences (None: a
+        model-free draft's)."""
+        estimates: list[float] = []
+        for depth, confidence in enumerate(confidences, start=1):
+            prior = confidence if confidence is not None else estimates[-1] if estimates else PRIOR_FREE
+            estimates.append(self.estimate(strategy, depth, confidence, prior))
+        return estimates
+
+    def observe(self, strategy: str, confidences: list[float | None], n_accepted: int) -> None:
+        """A verified chain: depths 1..n_accepted kept, the next one rejected, the rest unseen."""
+        for depth, confidence in enumerate(confidences[: n_accepted + 1], start=1):
+            cell = self.cells.setdefault(_cell(strategy, depth, confidence), [0.0, 0.0])
+            cell[0] *= DECAY
+            cell[1] *= DECAY
+            cell[0 if depth <= n_accepted else 1] += 1.0
+
+
+def _cell(strategy: str, depth: int, confidence: float | None) -> tuple[str, int, int]:
+    bucket = -1 if confidence is None else min(int(confidence * BUCKETS), BUCKETS - 1)
+    return strategy, min(depth, MAX_DEPTH), bucket
+
+
+def expected_tokens(acceptances: list[float]) -> list[float]:
+    """E_k for k = 0..len: tokens a step emits when the chain's first k tokens are verified."""
+    values = [1.0]
+    reach = 1.0
+    for a in acceptances:
+        reach *= a
+        values.append(values[-1] + reach)
+    return values
+
+
+@dataclass
+class Record:
+    """Averages over the steps a drafting model ran: tokens emitted and rows verified. It starts
+    as one step that kept a one-token draft; the first steps are averaged plainly, later ones
+    in a moving average (so that one unlucky first draft does not rule the model out)."""
+
+    tokens: float = 2.0
+    rows: float = 2.0
+    n: int = 1
+
+    def update(self, tokens: float, rows: float) -> None:
+        self.n += 1
+        weight = max(EMA, 1 / self.n)
+        self.tokens = (1 - weight) * self.tokens + weight * tokens
+        self.rows = (1 - weight) * self.rows + weight * rows
+
+
+@dataclass
+class PolicyModels:
+    """What the adaptive policy learns, shared by every generation of a pipeline (and its forks):
+    costs, acceptance, each drafting model's record, and what was chosen (a histogram of
+    (strategy or "none", draft length))."""
+
+    costs: CostModel = field(default_factory=CostModel)
+    acceptance: AcceptanceModel = field(default_factory=AcceptanceModel)
+    records: dict[str, Record] = field(default_factory=dict)
+    choices: Counter[tuple[str, int]] = field(default_factory=Counter)
+    step_tokens: float = 0.0  # moving averages over all steps: tokens emitted, seconds taken
+    step_seconds: float = 0.0
+
+    @property
+    def rate(self) -> float | None:
+        """Tokens per second over the recent steps (None before any)."""
+        return self.step_tokens / self.step_seconds if self.step_seconds > 0 else None
+
+    @classmethod
+    def for_target(cls, target: Backend) -> PolicyModels:
+        """Models whose pass costs are timed on `target` now."""
+        models = cls()
+        models.costs.calibrate(target)
+        return models
+
+
+class Stopper:
+    """The "keep drafting?" rule of one model draft: one more token is drafted while its gain,
+    the tokens it adds in expectation less what its draft step and verify row cost at the
+    policy's rate, is positive. Remembers the confidences of the tokens it let through."""
+
+    def __init__(self, models: PolicyModels, strategy: str, rate: float) -> None:
+        self.models = models
+        self.strategy = strategy
+        self.rate = rate  # tokens per second: what a second of this step is worth
+        self.confidences: list[float] = []
+        self._reach = 1.0  # P(every token so far kept)
+
+    def __call__(self, depth: int, confidence: float) -> bool:
+        """May the token at `depth` (1-based), of this top-1 confidence, be drafted?"""
+        a = self.models.acceptance.estimate(self.strategy, depth, confidence, confidence)
+        costs = self.models.costs
+        seconds = costs.step_time(self.strategy) + costs.pass_time(depth + 1) - costs.pass_time(depth)
+        if self._reach * a <= self.rate * seconds:
+            return False
+        self._reach *= a
+        self.confidences.append(confidence)
+        return True
+
+
+class AdaptivePolicy:
+    """The decisions of one generation, over shared `PolicyModels`.
+
+    Each candidate is scored by its gain: expected tokens less expected seconds times `rate`,
+    the tokens per second the policy has been achieving (plain generation's before any step).
+    Maximising that is maximising the long-run rate (a renewal-reward argument); comparing
+    ratios step by step would stop good drafts early and let poor ones run on."""
+
+    def __init__(self, models: PolicyModels, counterfactual: bool = False) -> None:
+        """counterfactual: whether a draft token that was not verified would have been kept
+        exactly when it equals the token emitted at its place (`match` verification, or greedy
+        sampling), so that the drafts not chosen are learnt from too."""
+        self.models = models
+        self.counterfactual = counterfactual
+        self._idle: Counter[str] = Counter()  # drafting model -> steps since it was last run
+
+    @property
+    def rate(self) -> float:
+        return self.models.rate if self.models.rate is not None else 1.0 / self.models.costs.pass_time(1)
+
+    def plain_gain(self, t_sunk: float) -> float:
+        return 1.0 - self.rate * (t_sunk + self.models.costs.pass_time(1))
+
+    def best_length(self, strategy: str, n_tokens: int, t_sunk: float) -> tuple[int, float]:
+        """The prefix length of a model-free draft of n_tokens with the best expected gain, and
+        that gain (0 tokens: a plain step)."""
+        values = expected_tokens(self.models.acceptance.chain(strategy, [None] * n_tokens))
+        costs, rate = self.models.costs, self.rate
+        gains = [e - rate * (t_sunk + costs.pass_time(k + 1)) for k, e in enumerate(values)]
+        best = max(range(len(gains)), key=lambda k: (gains[k], -k))
+        return best, gains[best]
+
+    def model_gain(self, strategy: str, t_sunk: float) -> float:
+        """A drafting model's expected gain: the tokens its steps emitted, less what its steps'
+        draft length costs now; infinite when it has never run or is due for another try."""
+        record = self.models.records.get(strategy)
+        if record is None or self._idle[strategy] >= PROBE_EVERY:
+            return float("inf")
+        costs = self.models.costs
+        seconds = t_sunk + costs.draft_time(strategy, record.rows) + costs.pass_time(record.rows)
+        return record.tokens - self.rate * seconds
+
+    def stopper(self, strategy: str) -> Stopper:
+        self._idle[strategy] = 0
+        return Stopper(self.models, strategy, self.rate)
+
+    def skipped(self, strategies: list[str]) -> None:
+        for strategy in strategies:
+            self._idle[strategy] += 1
+
+    def observe(
+        self,
+        strategy: str | None,
+        confidences: list[float | None],
+        n_accepted: int,
+        t_draft: float,
+        t_pass: float,
+        model: str | None,
+        model_steps: int,
+        t_model: float,
+    ) -> None:
+        """One verified step: `strategy`'s chain (None: a plain step) of len(confidences) tokens,
+        n_accepted kept, drafted in t_draft seconds and verified in a pass of t_pass; `model` is
+        the drafting model run this step (if any), in model_steps steps taking t_model seconds."""
+        models = self.models
+        weight = EMA if models.step_seconds > 0 else 1.0
+        models.step_tokens += weight * (1.0 + n_accepted - models.step_tokens)
+        models.step_seconds += weight * (t_draft + t_pass - models.step_seconds)
+        models.costs.observe_pass(len(confidences) + 1, t_pass)
+        models.choices[(strategy or "none", len(confidences))] += 1
+        if strategy is not None:
+            models.acceptance.observe(strategy, confidences, n_accepted)
+        if model is not None:
+            models.costs.observe_draft(model, model_steps, t_model)
+            tokens, rows = 1.0 + n_accepted, len(confidences) + 1  # whoever drafted: what running it gave
+            models.records.setdefault(model, Record()).update(tokens, rows)
+
+    def observe_unverified(self, drafts: dict[str, list[int]], emitted: Sequence[int]) -> None:
+        """Model-free drafts that were not verified, against the tokens the step emitted: each
+        would have been kept up to its first difference (unknown past the emitted tokens)."""
+        if not self.counterfactual:
+            return
+        for strategy, tokens in drafts.items():
+            kept = common_prefix(tokens, emitted)
+            seen = kept + 1 if kept < min(len(tokens), len(emitted)) else kept
+            self.models.acceptance.observe(strategy, [None] * seen, kept)

@@ -1,0 +1,317 @@
+"""The adaptive policy: its cost model, acceptance model and decisions, and the chain under it.
+
+Exactness under the policy is in test_exactness.py; here, what it chooses given hand-set
+costs and acceptances.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+from conftest import TargetSpec
+
+from specdecode import DraftModelConfig, GenerationConfig, Pipeline, SamplingParams
+from specdecode.chain import Chain
+from specdecode.cli import build_parser
+from specdecode.errors import SpecdecodeError
+from specdecode.policy import (
+    PRIOR_WEIGHT,
+    AcceptanceModel,
+    AdaptivePolicy,
+    CostModel,
+    PolicyModels,
+    Record,
+    Stopper,
+    expected_tokens,
+)
+from specdecode.strategies import Draft
+
+GREEDY = SamplingParams(temperature=0)
+
+
+def cpu_costs(one_row: float = 0.012, draft_step: float = 0.001) -> CostModel:
+    """Pass costs shaped as the bundled target's on a CPU (17 rows: 2.5x one row)."""
+    costs = CostModel()
+    for rows, ratio in ((1, 1.0), (2, 1.1), (3, 1.2), (5, 1.35), (9, 1.8), (17, 2.5)):
+        costs.calibrated[rows] = one_row * ratio
+    costs.draft_step["draft"] = draft_step
+    return costs
+
+
+def teach(models: PolicyModels, strategy: str, n_accepted: int, length: int, times: int) -> None:
+    for _ in range(times):
+        models.acceptance.observe(strategy, [None] * length, n_accepted)
+
+
+class Fixed:
+    """A model-free strategy proposing the same tokens at every step."""
+
+    n_min = 0
+
+    def __init__(self, name: str, tokens: list[int]) -> None:
+        self.name = name
+        self.tokens = tokens
+        self.asked = 0
+
+    def begin(self, prompt: Sequence[int]) -> None: ...
+
+    def draft(self, history: Sequence[int], last: int, n_max: int) -> Draft:
+        self.asked += 1
+        return Draft(self.tokens[:n_max])
+
+    def accept(self, n_accepted: int) -> None: ...
+
+    def end(self) -> None: ...
+
+
+class Model(Fixed):
+    """A drafting model: proposes its tokens while the policy's rule says so."""
+
+    def __init__(self, name: str, tokens: list[int], confidence: float) -> None:
+        super().__init__(name, tokens)
+        self.confidence = confidence
+        self.keep_drafting = None
+
+    def draft(self, history: Sequence[int], last: int, n_max: int) -> Draft:
+        self.asked += 1
+        tokens: list[int] = []
+        while len(tokens) < min(n_max, len(self.tokens)) and self.keep_drafting(
+            len(tokens) + 1, self.confidence
+        ):
+            tokens.append(self.tokens[len(tokens)])
+        return Draft(tokens)
+
+
+# --------------------------------------------------------------------------- cost model
+
+
+def test_before_any_timing_pass_costs_follow_the_prior():
+    costs = CostModel()
+    assert costs.pass_time(17) / costs.pass_time(1) == pytest.approx(2.6)
+
+
+def test_pass_costs_are_a_line_through_the_timings_that_follows_the_passes_run():
+    costs = CostModel()
+    costs.calibrated.update({1: 0.010, 5: 0.014, 9: 0.018})
+    assert costs.pass_time(3) == pytest.approx(0.012)
+    assert costs.pass_time(17) == pytest.approx(0.026)
+    for _ in range(100):  # passes run twice as slow as timed (a longer context, a busy machine)
+        costs.observe_pass(1, 0.020)
+        costs.observe_pass(5, 0.028)
+    assert costs.pass_time(3) == pytest.approx(0.024, rel=0.1)  # the timings still count a little
+
+
+def test_a_noisy_timing_does_not_make_one_more_row_free_or_dear():
+    costs = CostModel()
+    costs.calibrated.update({1: 0.012, 2: 0.0135, 3: 0.0213, 5: 0.0218, 9: 0.0264, 17: 0.0336})
+    steps = [costs.pass_time(n + 1) - costs.pass_time(n) for n in range(1, 17)]
+    assert max(steps) == pytest.approx(min(steps))
+    assert 0.0005 < steps[0] < 0.0015
+
+
+def test_passes_run_feed_the_fit_report():
+    costs = CostModel()
+    costs.calibrated.update({1: 0.010, 2: 0.011})
+    for _ in range(50):
+        costs.observe_pass(2, 0.022)
+    assert costs.pass_time(2) == pytest.approx(0.022, rel=0.1)
+    assert costs.fit() == [
+        {
+            "rows": 2,
+            "passes": 50,
+            "measured_ms": pytest.approx(22.0),
+            "model_ms": pytest.approx(22.0, rel=0.1),
+            "timed_ms": 11.0,
+        }
+    ]
+
+
+def test_calibration_times_every_row_count_and_leaves_the_cache_empty(zoo):
+    target = zoo.backend(zoo.target(TargetSpec()))
+    costs = CostModel()
+    costs.calibrate(target)
+    assert sorted(costs.calibrated) == [1, 2, 3, 5, 9, 17]
+    assert all(seconds > 0 for seconds in costs.calibrated.values())
+    assert target.tokens == []
+
+
+def test_draft_steps_are_costed_per_step():
+    costs = CostModel()
+    costs.calibrated[1] = 0.01
+    assert costs.draft_time("draft", 2) == pytest.approx(0.002)  # prior: a tenth of a pass each
+    for _ in range(60):
+        costs.observe_draft("draft", 4, 0.004)
+    assert costs.draft_time("draft", 3) == pytest.approx(0.003, rel=0.01)
+    before = costs.step_time("draft")
+    costs.observe_draft("draft", 1, 0.5)  # a prompt caught up with: counted as twice a step
+    assert costs.step_time("draft") == pytest.approx(1.1 * before)
+
+
+# --------------------------------------------------------------------------- acceptance model
+
+
+def test_model_draft_acceptance_starts_at_its_confidence_and_learns():
+    acceptance = AcceptanceModel()
+    assert acceptance.chain("draft", [0.9, 0.35]) == pytest.approx([0.9, 0.35])
+    for _ in range(40):
+        acceptance.observe("draft", [0.95, 0.95], 0)  # confident but always wrong
+    assert acceptance.estimate("draft", 1, 0.95, 0.95) < 0.2
+    assert acceptance.estimate("draft", 1, 0.5, 0.5) == 0.5  # another bucket: untouched
+
+
+def test_model_free_acceptance_inherits_the_depth_above():
+    acceptance = AcceptanceModel()
+    for _ in range(20):
+        acceptance.observe("ngram-simple", [None] * 3, 1)  # depth 1 kept, depth 2 rejected
+    first, second, third = acceptance.chain("ngram-simple", [None] * 3)
+    assert first > 0.8
+    assert second < 0.3
+    assert third == pytest.approx(second)  # never seen: its prior, the estimate above
+
+
+def test_only_the_depths_verification_reached_are_counted():
+    acceptance = AcceptanceModel()
+    acceptance.observe("ngram-simple", [None] * 5, 2)
+    cells = {depth: counts for (_, depth, _), counts in acceptance.cells.items()}
+    assert cells == {1: [1.0, 0.0], 2: [1.0, 0.0], 3: [0.0, 1.0]}
+    assert PRIOR_WEIGHT > 0
+
+
+def test_expected_tokens():
+    assert expected_tokens([]) == [1.0]
+    assert expected_tokens([1.0, 1.0]) == [1.0, 2.0, 3.0]
+    assert expected_tokens([0.5, 0.5]) == pytest.approx([1.0, 1.5, 1.75])
+
+
+# --------------------------------------------------------------------------- decisions
+
+
+def test_a_draft_never_accepted_is_not_verified():
+    models = PolicyModels(costs=cpu_costs())
+    teach(models, "ngram-simple", 0, 8, 50)
+    length, gain = AdaptivePolicy(models).best_length("ngram-simple", 8, 0.0)
+    assert length == 0
+    assert gain == pytest.approx(0.0)  # a plain step, at plain generation's rate
+
+
+def test_a_draft_always_accepted_is_verified_whole():
+    models = PolicyModels(costs=cpu_costs())
+    teach(models, "ngram-simple", 16, 16, 50)
+    assert AdaptivePolicy(models).best_length("ngram-simple", 16, 0.0)[0] == 16
+
+
+def test_the_length_stops_where_acceptance_falls():
+    models = PolicyModels(costs=cpu_costs())
+    teach(models, "ngram-simple", 3, 8, 50)  # always 3 of 8
+    # the 4th token, rarely kept, may still be worth its nearly free verify row; never the 8
+    assert AdaptivePolicy(models).best_length("ngram-simple", 8, 0.0)[0] in (3, 4)
+
+
+def test_the_stopper_drafts_confident_tokens_and_stops_at_doubtful_ones():
+    models = PolicyModels(costs=cpu_costs())
+    stopper = Stopper(models, "draft", 1 / 0.012)
+    assert stopper(1, 0.95) and stopper(2, 0.9)
+    assert not stopper(3, 0.02)
+    assert stopper.confidences == [0.95, 0.9]
+
+
+def test_the_stopper_stops_when_draft_steps_cost_more_than_they_bring():
+    models = PolicyModels(costs=cpu_costs(draft_step=0.012))  # a draft as slow as the target
+    assert not Stopper(models, "draft", 1 / 0.012)(1, 0.6)
+
+
+def test_chain_prefers_the_strategy_with_the_better_record():
+    models = PolicyModels(costs=cpu_costs())
+    teach(models, "a", 0, 4, 50)
+    teach(models, "b", 4, 4, 50)
+    a, b = Fixed("a", [5, 6, 7, 8]), Fixed("b", [9, 10, 11, 12])
+    chain = Chain([a, b], AdaptivePolicy(models))
+    draft = chain.draft([1, 2], 3, 16)
+    assert (draft.strategy, draft.tokens) == ("b", [9, 10, 11, 12])
+    assert a.asked == b.asked == 1  # model-free strategies are all asked
+    chain.accept(draft, 4, 0.015)
+    assert models.choices[("b", 4)] == 1
+    assert models.costs.measured[5] == [1, 0.015]
+
+
+def test_drafts_not_chosen_are_scored_against_the_emitted_tokens():
+    models = PolicyModels(costs=cpu_costs())
+    teach(models, "b", 4, 4, 50)
+    a, b = Fixed("a", [5, 6, 7, 8]), Fixed("b", [5, 6, 9, 9])
+    chain = Chain([a, b], AdaptivePolicy(models, counterfactual=True))
+    draft = chain.draft([1, 2], 3, 16)
+    assert draft.strategy == "b"
+    chain.accept(draft, 2, 0.015, [5, 6, 7])  # b's first two kept, then the target said 7
+    cells = {depth: counts for (name, depth, _), counts in models.acceptance.cells.items() if name == "a"}
+    assert cells == {1: [1.0, 0.0], 2: [1.0, 0.0], 3: [1.0, 0.0]}  # a would have had 3; its 4th unknown
+
+
+def test_chain_takes_a_plain_step_and_skips_a_model_that_does_not_pay():
+    models = PolicyModels(costs=cpu_costs())
+    models.records["draft"] = Record(tokens=1.0, rows=1.0, n=50)  # plain's tokens, plus a draft step
+    model = Model("draft", [5, 6], 0.99)
+    chain = Chain([model], AdaptivePolicy(models))
+    assert chain.draft([1, 2], 3, 16) == Draft()
+    assert model.asked == 0
+    chain.accept(Draft(), 0, 0.012)
+    assert models.choices[("none", 0)] == 1
+
+
+def test_chain_probes_an_unused_model_again():
+    models = PolicyModels(costs=cpu_costs())
+    models.records["draft"] = Record(tokens=1.0, rows=1.0, n=50)
+    model = Model("draft", [5, 6], 0.99)
+    chain = Chain([model], AdaptivePolicy(models))
+    for _ in range(9):
+        draft = chain.draft([1, 2], 3, 16)
+        chain.accept(draft, len(draft.tokens), 0.012)
+    assert model.asked == 1
+    assert draft.tokens == [5, 6]
+    assert models.acceptance.cells[("draft", 1, 9)] == [1.0, 0.0]  # learnt with its confidence
+    assert models.records["draft"].tokens > 1.0  # the probe's 3 tokens raised its record
+
+
+def test_the_keep_drafting_hook_is_cleared_after_the_draft():
+    model = Model("draft", [5], 0.99)
+    chain = Chain([model], AdaptivePolicy(PolicyModels(costs=cpu_costs())))
+    assert chain.draft([1], 2, 4).tokens == [5]
+    assert model.keep_drafting is None
+
+
+# --------------------------------------------------------------------------- pipeline and CLI
+
+
+def test_adaptive_generation_learns_and_reports(zoo):
+    target, draft = zoo.pair(TargetSpec(seed=1), 0.02)
+    models = PolicyModels()
+    pipe = Pipeline(
+        target, draft, spec_types=["ngram-simple", "draft"], spec_policy="adaptive", policy_models=models
+    )
+    result = pipe.generate(list(range(3, 30)), GREEDY, GenerationConfig(n_predict=24, ignore_eos=True))
+    assert len(result.tokens) == 24
+    # every step is reported, but a last one with room for one token only, which drafts nothing
+    assert sum(models.choices.values()) in (result.stats.n_passes - 1, result.stats.n_passes)
+    assert models.costs.measured and models.acceptance.cells
+
+
+def test_adaptive_refuses_trees(zoo):
+    target, draft = zoo.pair(TargetSpec(), 0.0)
+    with pytest.raises(SpecdecodeError, match="chains"):
+        Pipeline(target, draft, draft_config=DraftModelConfig(n_parallel=2), spec_policy="adaptive")
+    pipe = Pipeline(target, draft, spec_policy="adaptive", policy_models=PolicyModels())
+    with pytest.raises(SpecdecodeError, match="chains"):
+        pipe.stream([3, 4], GREEDY, draft_config=DraftModelConfig(n_parallel=2))
+
+
+def test_unknown_policy_is_refused(zoo):
+    with pytest.raises(SpecdecodeError, match="spec-policy"):
+        Pipeline(zoo.backend(zoo.target(TargetSpec())), spec_policy="clever")
+
+
+def test_cli_flag():
+    parser = build_parser()
+    assert parser.parse_args(["generate", "-p", "x"]).spec_policy == "classic"
+    assert parser.parse_args(["generate", "-p", "x", "--spec-policy", "adaptive"]).spec_policy == "adaptive"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["generate", "-p", "x", "--spec-policy", "clever"])
