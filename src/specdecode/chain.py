@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
+from typing import Any
 
 import torch
 
@@ -57,12 +58,7 @@ class Chain:
     def begin(self, prompt: Sequence[int]) -> None:
         for index, (strategy, stats) in enumerate(zip(self.strategies, self.stats, strict=True)):
             start = time.perf_counter()
-            try:
-                strategy.begin(prompt)
-            except PROPAGATED:
-                raise
-            except Exception as exc:
-                self._fail(index, "begin", exc)
+            self._guarded(index, "begin", strategy.begin, prompt)
             stats.t_begin += time.perf_counter() - start
             stats.n_call_begin += 1
 
@@ -89,13 +85,8 @@ class Chain:
     def _ask(self, index: int, history: Sequence[int], last: int, n_max: int) -> Draft:
         """Strategy `index`'s draft, timed and counted; empty if it failed."""
         start = time.perf_counter()
-        try:
-            draft = self.strategies[index].draft(history, last, n_max)
-        except PROPAGATED:
-            raise
-        except Exception as exc:
-            self._fail(index, "draft", exc)
-            draft = Draft()
+        strategy = self.strategies[index]
+        draft = self._guarded(index, "draft", strategy.draft, history, last, n_max, failed=Draft())
         self.stats[index].t_draft += time.perf_counter() - start
         self.stats[index].n_call_draft += 1
         return draft
@@ -174,14 +165,22 @@ class Chain:
         if n_accepted == 0:
             return  # classic API: accept(0) reaches no strategy
         start = time.perf_counter()
+        self._guarded(index, "accept", strategy.accept, n_accepted)
+        stats.t_accept += time.perf_counter() - start
+        stats.n_call_accept += 1
+
+    def _guarded(
+        self, index: int, call: str, method: Callable[..., Any], *args: Any, failed: Any = None
+    ) -> Any:
+        """method(*args) of strategy `index`; if it fails (not with a PROPAGATED error), the
+        failure is recorded (`_fail`) and the result is `failed`."""
         try:
-            strategy.accept(n_accepted)
+            return method(*args)
         except PROPAGATED:
             raise
         except Exception as exc:
-            self._fail(index, "accept", exc)
-        stats.t_accept += time.perf_counter() - start
-        stats.n_call_accept += 1
+            self._fail(index, call, exc)
+            return failed
 
     def _fail(self, index: int, call: str, exc: Exception) -> None:
         """Count a strategy's failure, warn about it, and call it no more in this generation."""
