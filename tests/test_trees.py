@@ -35,6 +35,7 @@ from specdecode.errors import SpecdecodeError
 from specdecode.generate import Generation
 from specdecode.sampling import Sampler, distribution
 from specdecode.strategies import Draft
+from specdecode.strategies.base import path_to
 from specdecode.testing import make_llama, perturbed_copy
 from specdecode.verify import verify_match, verify_rejection
 
@@ -81,14 +82,6 @@ def dtype_of(kind: str) -> str:
 def same(kind: str, a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bit for bit on the native backend (row-invariant in every dtype), to rounding elsewhere."""
     return torch.equal(a, b) if kind.startswith("native") else torch.allclose(a, b, rtol=1e-9, atol=1e-9)
-
-
-def path_to(parents: list[int], node: int) -> list[int]:
-    path = []
-    while node >= 0:
-        path.append(node)
-        node = parents[node]
-    return path[::-1]
 
 
 trees = st.integers(1, 12).flatmap(

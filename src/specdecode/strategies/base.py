@@ -79,6 +79,16 @@ class Draft:
         )
 
 
+def path_to(parents: Sequence[int], node: int) -> list[int]:
+    """The nodes of a tree (parents as in `Draft`) from the root's child down to `node`, itself
+    last; none for -1 (the root)."""
+    path: list[int] = []
+    while node >= 0:
+        path.append(node)
+        node = parents[node]
+    return path[::-1]
+
+
 class Strategy(Protocol):
     """A proposer of draft tokens (llama.cpp's `common_speculative_impl`).
 

@@ -25,7 +25,7 @@ import torch
 from specdecode.backends import Backend, evaluate_continuation
 from specdecode.errors import SpecdecodeError
 from specdecode.sampling import Sampler, distribution
-from specdecode.strategies.base import Draft, KeepDrafting
+from specdecode.strategies.base import Draft, KeepDrafting, path_to
 from specdecode.vocab import VocabTranslator
 
 CONFIDENCE_TOP_K = 10
@@ -181,7 +181,7 @@ class DraftModelStrategy:
         # Nodes before the first branch were cached as a chain would have; after it, the draft's
         # pending nodes are the tree's less those, and the top-1 branch stays cached.
         scored_main = main if main < len(tokens) - len(new) else parents[main]
-        self.backend.commit([node - cached for node in paths_of(parents, scored_main) if node >= cached])
+        self.backend.commit([node - cached for node in path_to(parents, scored_main) if node >= cached])
         if not tokens or max(len(p) for p in paths) < self.n_min:
             return Draft()
         probs = torch.stack(rows) if self.sampler is not None else None  # [N, V]
@@ -261,12 +261,3 @@ class DraftModelStrategy:
         if len(tokens) < self.n_min:
             return Draft()
         return Draft(tokens, probs)
-
-
-def paths_of(parents: list[int], node: int) -> list[int]:
-    """The nodes from the root down to `node` (none for -1)."""
-    path: list[int] = []
-    while node >= 0:
-        path.append(node)
-        node = parents[node]
-    return path[::-1]

@@ -40,7 +40,7 @@ import torch
 from specdecode.backends import Backend, common_prefix, hidden_state_source
 from specdecode.eagle3.head import Eagle3Head, HeadCache, HeadTree
 from specdecode.sampling import Sampler, distribution
-from specdecode.strategies.base import Draft, KeepDrafting
+from specdecode.strategies.base import Draft, KeepDrafting, path_to
 from specdecode.strategies.draft_model import DraftModelConfig, continue_draft
 
 
@@ -126,7 +126,7 @@ class Eagle3Strategy:
                 for parent, row in zip(expanded, expanded_logits, strict=True):
                     history = context  # what penalties see: the path too when sampling
                     if self.sampler is not None:
-                        history = [*context, *self._path(parent, tokens, parents)]
+                        history = [*context, *(tokens[node] for node in path_to(parents, parent))]
                     children, child_scores, child_rows = self._children(row, history, topk)
                     base = scores[parent] if parent >= 0 else 0.0
                     tokens += children
@@ -182,12 +182,3 @@ class Eagle3Strategy:
             tokens.append(self.sampler.draw(rows[-1]))
             remaining[tokens[-1]] = 0.0
         return tokens, torch.topk(log_probs, count).values.tolist(), rows
-
-    @staticmethod
-    def _path(node: int, tokens: list[int], parents: list[int]) -> list[int]:
-        """The tokens from the root down to `node` (-1: none)."""
-        path: list[int] = []
-        while node >= 0:
-            path.append(tokens[node])
-            node = parents[node]
-        return path[::-1]
