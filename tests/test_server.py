@@ -74,7 +74,7 @@ class FailingBackend(HFBackend):
 
     def evaluate(self, ids, logits_rows=None):
         if self.tokens:
-            raise RuntimeError("secret detail: /srv/private/weights")
+            raise RuntimeError("secret detail: the private weights' location")
         return super().evaluate(ids, logits_rows)
 
 
