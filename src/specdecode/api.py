@@ -11,6 +11,7 @@ print(run.stats.format())
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,9 +23,10 @@ from specdecode.chain import Chain
 from specdecode.eagle3.checkpoint import load_head
 from specdecode.eagle3.head import Eagle3Head
 from specdecode.errors import SpecdecodeError
-from specdecode.generate import Generation, GenerationConfig
+from specdecode.generate import Chunk, Generation, GenerationConfig, check_room
 from specdecode.policy import AdaptivePolicy, PolicyModels, check_policy
 from specdecode.sampling import Sampler, SamplingParams
+from specdecode.scheduler import BatchEngine, LoadRule
 from specdecode.stats import GenerationStats
 from specdecode.strategies import DraftModelConfig, NgramSettings, SharedState, SpecSetup, build_strategies
 from specdecode.vocab import VocabTranslator, vocab_difference
@@ -84,6 +86,7 @@ class Pipeline:
         self.spec_policy = check_policy(spec_policy)
         self._check_chains(draft_config)
         self.policy_models = None
+        self._load_rule: LoadRule | None = None
         if spec_policy == "adaptive" and self.spec_types:
             self.policy_models = (
                 policy_models if policy_models is not None else PolicyModels.for_target(target)
@@ -168,6 +171,63 @@ class Pipeline:
             pass
         return Result(run.text, run.tokens, run.stats)
 
+    def generate_batch(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        sampling: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
+        config: GenerationConfig = GenerationConfig(),
+        *,
+        max_sequences: int = 8,
+        load_rule: bool = True,
+    ) -> list[Result]:
+        """Generate for every prompt, up to `max_sequences` at a time sharing each target pass
+        (see `specdecode.scheduler`); a finished sequence's place goes to the next prompt at
+        once. Results come in prompt order, and each is what `generate` gives that prompt
+        alone (greedy, or seeded `match`, on a row-invariant backend).
+
+        sampling: one setting for all, or one per prompt (give seeds for reproducible draws).
+        load_rule: shorten drafts as the batch grows (`LoadRule`); False drafts as alone."""
+        if max_sequences < 1:
+            raise SpecdecodeError(f"max_sequences must be >= 1, not {max_sequences}")
+        if isinstance(sampling, SamplingParams):
+            samplings = [sampling] * len(prompts)
+        else:
+            samplings = list(sampling)
+            if len(samplings) != len(prompts):
+                raise SpecdecodeError(f"{len(prompts)} prompts but {len(samplings)} sampling settings")
+        encoded = [self.encode(prompt) for prompt in prompts]
+        for ids in encoded:  # every request checked before any work
+            check_room(ids, config.n_predict, self.target.n_ctx)
+        free = deque([self, *(self.fork() for _ in range(min(max_sequences, len(prompts)) - 1))])
+        engine = BatchEngine(self.load_rule() if load_rule else None)
+        waiting = deque(range(len(prompts)))
+        running: dict[int, tuple[int, Pipeline]] = {}  # id(entry) -> (prompt index, its seat)
+        results: list[Result | None] = [None] * len(prompts)
+        try:
+            while waiting or len(engine):
+                while waiting and free:
+                    index, seat = waiting.popleft(), free.popleft()
+                    entry = engine.add(seat.stream(encoded[index], samplings[index], config), _ignore)
+                    running[id(entry)] = (index, seat)
+                for entry in engine.step():
+                    index, seat = running.pop(id(entry))
+                    if entry.error is not None:
+                        raise entry.error
+                    run = entry.generation
+                    results[index] = Result(run.text, run.tokens, run.stats)
+                    free.append(seat)
+        finally:
+            for entry in engine.entries:  # after a failure: the others end too
+                entry.generation.close()
+        return results  # type: ignore[return-value]
+
+    def load_rule(self) -> LoadRule:
+        """The rule that shortens drafts under load, its pass costs timed once per pipeline
+        (on a fork, so that this pipeline's cache stays as it is)."""
+        if self._load_rule is None:
+            self._load_rule = LoadRule.timed(self.target.fork())
+        return self._load_rule
+
     def _check_chains(self, config: DraftModelConfig) -> None:
         """The adaptive policy drafts chains: refuse tree settings rather than ignore them."""
         if self.spec_policy == "adaptive" and (config.n_parallel > 1 or config.tree_tokens > 0):
@@ -189,3 +249,7 @@ class Pipeline:
                 "with --spec-replace TARGET DRAFT."
             )
         return VocabTranslator(self.target, self.draft, replacements)
+
+
+def _ignore(chunk: Chunk) -> None:
+    """generate_batch reads results at the end, not chunks as they come."""

@@ -17,7 +17,10 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from specdecode.backends import Backend, evaluate_continuation
+import torch
+
+from specdecode.backends import Backend, common_prefix
+from specdecode.backends.batch import RowGroup, score_alone
 from specdecode.chain import Chain
 from specdecode.errors import SpecdecodeError
 from specdecode.sampling import Sampler
@@ -55,6 +58,14 @@ class Chunk:
 
 
 @dataclass
+class StepPlan:
+    """A step between drafting and verification: the draft and the target rows that score it."""
+
+    draft: Draft
+    rows: RowGroup
+
+
+@dataclass
 class Generation:
     """One generation. Iterate it for `Chunk`s; afterwards read tokens, text and stats."""
 
@@ -72,46 +83,97 @@ class Generation:
         self.stats.seed = self.sampler.seed
         self.stats.n_prompt = len(self.prompt)
         self.stats.strategies = self.chain.stats
+        self._history: list[int] = []  # the ids in the target's cache, once the prompt is in
+        self._prefilled: int | None = None  # prompt tokens in the cache (None: not started)
+        self._start = 0.0
+        self._closed = False
 
     @property
     def text(self) -> str:
         return self._text.text
 
+    @property
+    def prefilling(self) -> bool:
+        """Whether the prompt is still (partly) outside the target's cache."""
+        return self._prefilled is None or self._prefilled < len(self.prompt)
+
     def __iter__(self) -> Iterator[Chunk]:
-        start = time.perf_counter()
-        logits = evaluate_continuation(self.target, self.prompt)  # [V]
-        self.chain.begin(self.prompt)
-        self.stats.t_prompt = time.perf_counter() - start
-        history = list(self.prompt)
         try:
-            yield self._emit([self.sampler.sample(logits, history)], Draft(), 0)
+            while (chunk := self.prefill_step()) is None:
+                pass
+            yield chunk
             while not self.stats.stop_reason:
-                chunk = self._step(history)
+                chunk = self.step()
                 if chunk.tokens or chunk.text:
                     yield chunk
         finally:  # also when the consumer stops early (a client gone): strategies still persist
-            self.stats.t_generation = time.perf_counter() - start - self.stats.t_prompt
-            self.stats.stop_reason = self.stats.stop_reason or "abandoned"
-            self.chain.end()
+            self.close()
 
-    def _step(self, history: list[int]) -> Chunk:
-        """One draft -> verify -> accept round; extends `history` with the kept tokens."""
-        last = self.tokens[-1]
+    def prefill_step(self) -> Chunk | None:
+        """Evaluate the next chunk (the backend's batch size) of the prompt the cache does not
+        hold yet; after the last one, begin the chain and return the first token's Chunk.
+
+        The chunks are those one `evaluate` call over the uncached prompt makes, so a prompt
+        fed a chunk at a time (between other sequences' steps) leaves the very cache that one
+        call leaves."""
+        if self._prefilled is None:
+            self._start = time.perf_counter()
+            # Reuse the longest cached prefix; the last prompt token is evaluated in any case,
+            # since its logits are needed.
+            self._prefilled = min(common_prefix(self.target.tokens, self.prompt), len(self.prompt) - 1)
+            self.target.truncate(self._prefilled)
+        size = getattr(self.target, "n_batch", len(self.prompt))
+        chunk = self.prompt[self._prefilled : self._prefilled + size]
+        self._prefilled += len(chunk)
+        final = self._prefilled == len(self.prompt)
+        logits = self.target.evaluate(chunk, logits_rows=1 if final else 0)
+        if not final:
+            return None
+        self.chain.begin(self.prompt)
+        self.stats.t_prompt = time.perf_counter() - self._start
+        self._history = list(self.prompt)
+        return self._emit([self.sampler.sample(logits[0], self._history)], Draft(), 0)
+
+    def step(self, max_draft: int | None = None) -> Chunk:
+        """One draft -> verify -> accept round in a pass of its own."""
+        plan = self.plan(max_draft)
+        if plan is None:
+            return self.final_chunk()
+        start = time.perf_counter()
+        logits = score_alone(plan.rows)
+        return self.finish(plan, logits, time.perf_counter() - start)
+
+    def plan(self, max_draft: int | None = None) -> StepPlan | None:
+        """Draft, and say which rows the target must score: [last, *draft]. None when the
+        context is full (the generation has stopped). max_draft caps the draft's nodes (0: a
+        plain step), as a batch under load asks."""
+        history, last = self._history, self.tokens[-1]
         if len(history) + 1 > self.target.n_ctx:
             self.stats.stop_reason = "context"
-            return Chunk([], self._text.finish())
+            return None
         room = self.target.n_ctx - len(history) - 1  # cache entries for draft nodes
         depth = min(room, self._remaining() - 1)  # tokens a step may still accept
-        t0 = time.perf_counter()
+        if max_draft is not None:
+            room, depth = min(room, max_draft), min(depth, max_draft)
+        start = time.perf_counter()
         draft = self.chain.draft(history, last, depth, room) if self.chain and depth > 0 else Draft()
-        t1 = time.perf_counter()
+        self.stats.t_draft += time.perf_counter() - start
         self.target.truncate(len(history))
-        logits = self._score(last, draft)  # [N+1, V]
-        t_pass = time.perf_counter() - t1
+        if draft.is_chain:
+            rows = RowGroup(self.target, [last, *draft.tokens])
+        else:
+            rows = RowGroup(self.target, [last, *draft.tokens], [-1, *(p + 1 for p in draft.parent_list())])
+        return StepPlan(draft, rows)
+
+    def finish(self, plan: StepPlan, logits: torch.Tensor, t_pass: float) -> Chunk:
+        """Verify the plan's draft against the target's logits [N+1, V] (from a pass of
+        t_pass seconds), keep what was accepted, and emit the step's tokens."""
+        start = time.perf_counter()
+        history, draft = self._history, plan.draft
+        last = plan.rows.ids[0]
         verdict = self._verify(draft, logits, [*history, last])
         self._keep(history, last, draft, verdict.path)
-        self.stats.t_draft += t1 - t0
-        self.stats.t_verify += time.perf_counter() - t1
+        self.stats.t_verify += t_pass + time.perf_counter() - start
         n_accepted = len(verdict.path)
         self.stats.n_passes += 1
         self.stats.n_step_tokens += len(verdict.emitted)
@@ -121,11 +183,21 @@ class Generation:
             self.stats.totals.record(len(draft.tokens), draft.depth, n_accepted)
         return self._emit(verdict.emitted, draft, n_accepted)
 
-    def _score(self, last: int, draft: Draft):
-        """One target pass over `last` and the draft's nodes: logits [N+1, V]."""
-        if draft.is_chain:
-            return self.target.evaluate([last, *draft.tokens])
-        return self.target.evaluate_tree([last, *draft.tokens], [-1, *(p + 1 for p in draft.parent_list())])
+    def final_chunk(self) -> Chunk:
+        """The text held back (an unfinished character, a possible stop string's start), once
+        the generation stopped outside `_emit` (a full context)."""
+        return Chunk([], self._text.finish())
+
+    def close(self) -> None:
+        """End the generation (idempotent): its stop reason is set ("abandoned" if it had
+        none) and the strategies' end() runs."""
+        if self._closed:
+            return
+        self._closed = True
+        started = self._start or time.perf_counter()
+        self.stats.t_generation = time.perf_counter() - started - self.stats.t_prompt
+        self.stats.stop_reason = self.stats.stop_reason or "abandoned"
+        self.chain.end()
 
     def _keep(self, history: list[int], last: int, draft: Draft, path: list[int]) -> None:
         """Make `history` and the target's cache hold last and the accepted nodes."""

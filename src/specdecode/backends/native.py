@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from specdecode.backends.batch import RowGroup
 from specdecode.backends.hf import HFBackend
 from specdecode.backends.hidden import HiddenRows
 from specdecode.backends.tree import check_tree_room
@@ -327,6 +328,19 @@ class KVCache:
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+@dataclass
+class Rows:
+    """One sequence's rows, ready for a pass: their rotary angles, what they attend to, where
+    their hidden-state rows go, and what the cache records once the pass has run."""
+
+    ids: list[int]
+    cos: torch.Tensor  # [T, head_dim]
+    sin: torch.Tensor
+    attend: Attend
+    recorder: HiddenRows | None
+    done: Callable[[], None]
+
+
 class NativeBackend(HFBackend):
     """HFBackend's interface and loading, with the native forward (see the module docstring).
 
@@ -340,6 +354,7 @@ class NativeBackend(HFBackend):
     """
 
     half_precision_on_cpu = True
+    max_pass_rows = INVARIANT_ROWS  # rows of several sequences share a pass up to this many
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, **options) -> None:
         """options: HFBackend's (n_ctx, n_batch, threads, name)."""
@@ -372,27 +387,107 @@ class NativeBackend(HFBackend):
         """The native forward scores trees of any model it runs."""
 
     def _forward(self, chunk: Sequence[int], keep: int) -> torch.Tensor:
-        ids = torch.tensor(list(chunk), dtype=torch.long, device=self.device)
-        start = len(self._tokens)
-        end = start + len(chunk)
-        self._kv.reserve(end)
-        logits = self._pass(ids, slice(start, end), keep, self._linear_attention(start, end), self._recorder)
-        self._tokens.extend(chunk)
-        return logits[None]
+        return self._run([self._linear_rows(chunk)], keep)[None]
 
     @torch.inference_mode()
     def evaluate_tree(self, ids: Sequence[int], parents: Sequence[int]) -> torch.Tensor:
-        prefix = len(self._tokens)
-        check_tree_room(self.name, prefix, len(self._tree), len(ids), self.n_ctx)
-        nodes = self._tree.add(ids, parents)
+        check_tree_room(self.name, len(self._tokens), len(self._tree), len(ids), self.n_ctx)
         self._use_threads()
-        self._kv.reserve(prefix + len(self._tree))
-        positions = torch.tensor([prefix + self._tree.depths[node] - 1 for node in nodes], device=self.device)
-        tokens = torch.tensor(list(ids), dtype=torch.long, device=self.device)
-        self._kv.reserve_nodes(len(self._tree))
-        attend = self._tree_attention_by_row(prefix, nodes)
-        logits = self._pass(tokens, positions, len(nodes), attend, self._tree_rows)
+        logits = self._run([self._tree_rows_of(ids, parents)], len(ids))
         return logits if logits.dtype == torch.float64 else logits.float().cpu()
+
+    @property
+    def pass_key(self) -> object:
+        """Forks of one model share a forward: their rows may share a pass."""
+        return self.weights
+
+    @torch.inference_mode()
+    def evaluate_groups(self, groups: Sequence[RowGroup]) -> list[torch.Tensor]:
+        """Several sequences' rows in one forward (see `specdecode.backends.batch`); each
+        group's backend is a NativeBackend over these weights. Every group is checked before
+        any cache changes, so a refused pass leaves every sequence as it was."""
+        for group in groups:
+            backend = group.backend
+            assert isinstance(backend, NativeBackend) and backend.weights is self.weights
+            if group.parents is None:
+                backend._check_room(len(group.ids))
+            else:
+                check_tree_room(
+                    backend.name, len(backend.tokens), len(backend._tree), len(group.ids), backend.n_ctx
+                )
+        self._use_threads()
+        parts = []
+        for group in groups:
+            backend = group.backend
+            if group.parents is None:
+                backend._drop_tree()
+                parts.append(backend._linear_rows(group.ids))
+            else:
+                parts.append(backend._tree_rows_of(group.ids, group.parents))
+        logits = self._run(parts, sum(len(part.ids) for part in parts))
+        if logits.dtype != torch.float64:
+            logits = logits.float().cpu()
+        return list(logits.split([len(part.ids) for part in parts]))
+
+    def _check_room(self, n: int) -> None:
+        if len(self._tokens) + n > self.n_ctx:
+            raise SpecdecodeError(
+                f"{self.name}: context full ({len(self._tokens)} + {n} tokens > n_ctx {self.n_ctx})"
+            )
+
+    def _linear_rows(self, chunk: Sequence[int]) -> Rows:
+        """Rows appended after the cached tokens, each seeing every position before it."""
+        start = len(self._tokens)
+        end = start + len(chunk)
+        self._kv.reserve(end)
+        ids = list(chunk)
+        return Rows(
+            ids,
+            self._kv.cos[start:end],
+            self._kv.sin[start:end],
+            self._linear_attention(start, end),
+            self._recorder,
+            lambda: self._tokens.extend(ids),
+        )
+
+    def _tree_rows_of(self, ids: Sequence[int], parents: Sequence[int]) -> Rows:
+        """Tree nodes after the cached prefix, each seeing the prefix and its own ancestors."""
+        prefix = len(self._tokens)
+        nodes = self._tree.add(ids, parents)
+        self._kv.reserve(prefix + len(self._tree))
+        self._kv.reserve_nodes(len(self._tree))
+        positions = torch.tensor([prefix + self._tree.depths[node] - 1 for node in nodes], device=self.device)
+        attend = self._tree_attention_by_row(prefix, nodes)
+        return Rows(
+            list(ids), self._kv.cos[positions], self._kv.sin[positions], attend, self._tree_rows, _nothing
+        )
+
+    def _run(self, parts: Sequence[Rows], keep: int) -> torch.Tensor:
+        """One forward over every part's rows -> logits of the last `keep` rows [keep, V]; then
+        each part's hidden-state rows are recorded and its cache updated."""
+        if len(parts) == 1:
+            part = parts[0]
+            ids, cos, sin, attend = part.ids, part.cos, part.sin, part.attend
+        else:
+            ids = [token for part in parts for token in part.ids]
+            cos = torch.cat([part.cos for part in parts])
+            sin = torch.cat([part.sin for part in parts])
+            attend = _attend_by_part(parts)
+        layers = sorted(
+            {layer for part in parts if part.recorder is not None for layer in part.recorder.layer_ids}
+        )
+        tokens = torch.tensor(ids, dtype=torch.long, device=self.device)
+        logits, captured = self._pass(tokens, cos, sin, keep, attend, layers)
+        start = 0
+        for part in parts:
+            end = start + len(part.ids)
+            if part.recorder is not None and part.recorder.layer_ids:
+                part.recorder.extend(
+                    torch.cat([captured[layer][start:end] for layer in part.recorder.layer_ids], dim=-1)
+                )
+            part.done()
+            start = end
+        return logits
 
     @torch.inference_mode()
     def commit(self, path: Sequence[int]) -> None:
@@ -413,17 +508,17 @@ class NativeBackend(HFBackend):
     def _pass(
         self,
         ids: torch.Tensor,
-        positions: slice | torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
         keep: int,
         attend: Attend,
-        recorder: HiddenRows | None,
-    ) -> torch.Tensor:
-        """Rows of `ids` at `positions` -> logits of the last `keep` rows [keep, V]; `attend`
-        decides what each row sees, `recorder` receives the rows' hidden states."""
+        recorded: Sequence[int],
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Rows of `ids` with rotary angles cos/sin [T, D] -> logits of the last `keep` rows
+        [keep, V], and the residual stream [T, C] entering each `recorded` layer (the final
+        hidden state for the layer count); `attend` decides what each row sees."""
         w, kv = self.weights, self._kv
         n = ids.shape[0]
-        cos, sin = kv.cos[positions], kv.sin[positions]
-        recorded = recorder.layer_ids if recorder is not None else ()
         captured: dict[int, torch.Tensor] = {}
         x = F.embedding(ids, w.embeddings)  # [T, C]
         for index, layer in enumerate(w.layers):
@@ -442,9 +537,7 @@ class NativeBackend(HFBackend):
             x = x + layer.down(F.silu(gate) * up)
         if len(w.layers) in recorded:
             captured[len(w.layers)] = x
-        if captured:
-            recorder.extend(torch.cat([captured[layer] for layer in recorded], dim=-1))
-        return w.lm_head(_rms_norm(x[n - keep :], w.final_norm, w.eps))
+        return w.lm_head(_rms_norm(x[n - keep :], w.final_norm, w.eps)), captured
 
     def _linear_attention(self, start: int, end: int) -> Attend:
         """Rows at positions start..end-1, each seeing every position before it."""
@@ -507,6 +600,26 @@ class NativeBackend(HFBackend):
             attn_mask=visible,
             enable_gqa=self.weights.n_kv_heads != self.weights.n_heads,
         )[0]
+
+
+def _attend_by_part(parts: Sequence[Rows]) -> Attend:
+    """Attention of a pass over several sequences: each part's rows through its own attend."""
+    bounds = []
+    start = 0
+    for part in parts:
+        bounds.append((part, start, start + len(part.ids)))
+        start += len(part.ids)
+
+    def attend(index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return torch.cat(
+            [part.attend(index, q[:, a:b], k[:, a:b], v[:, a:b]) for part, a, b in bounds], dim=1
+        )
+
+    return attend
+
+
+def _nothing() -> None:
+    """A tree part's cache needs nothing after its pass: its nodes wait for commit."""
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

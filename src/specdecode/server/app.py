@@ -110,7 +110,8 @@ class Service:
         self.settings = settings
         self.n_ctx = pipeline.target.n_ctx
         self.metrics = Metrics(pipeline.spec_types)
-        self.slots = SlotPool([pipeline.fork() for _ in range(settings.parallel)], self.metrics)
+        rule = pipeline.load_rule() if pipeline.spec_types else None
+        self.slots = SlotPool([pipeline.fork() for _ in range(settings.parallel)], self.metrics, rule)
         tokenizer = pipeline.target.tokenizer
         self.tokenizers = Tokenizers(tokenizer, settings.parallel, self.n_ctx)
         self.n_texts = len(tokenizer)  # ids the tokenizer can decode

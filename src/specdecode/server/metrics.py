@@ -1,6 +1,6 @@
 """Server counters in the Prometheus text format (GET /metrics), from GenerationStats.
 
-Generations finish in worker threads, so recording takes a lock. Counters count since start;
+Generations run in the batch engine's thread, so recording takes a lock. Counters count since start;
 gauges (slots busy, requests waiting, resident memory) are read when scraped.
 """
 
@@ -34,6 +34,9 @@ class Metrics:
         self.totals: Counter[str] = Counter(dict.fromkeys(TOTALS, 0))
         self.drafted: Counter[str] = Counter({name: 0 for name in strategies})
         self.accepted: Counter[str] = Counter({name: 0 for name in strategies})
+        self.passes_by_batch: Counter[int] = Counter()  # sequences sharing a pass -> passes
+        self.pass_rows = 0
+        self.pass_seconds = 0.0
 
     def record(self, stats: GenerationStats) -> None:
         """A generation that ran (to its end, or stopped because its client left)."""
@@ -52,6 +55,13 @@ class Metrics:
             for strategy in stats.strategies:
                 self.drafted[strategy.name] += strategy.counts.n_drafted
                 self.accepted[strategy.name] += strategy.counts.n_accepted
+
+    def record_pass(self, sequences: int, rows: int, seconds: float) -> None:
+        """A batched decode pass: how many sequences shared it, with how many rows."""
+        with self._lock:
+            self.passes_by_batch[sequences] += 1
+            self.pass_rows += rows
+            self.pass_seconds += seconds
 
     def record_failure(self) -> None:
         """A generation that raised (a server bug: the request got a 500)."""
@@ -81,6 +91,23 @@ class Metrics:
             ]
             for name, help_text in TOTALS.items():
                 lines += _family(f"{name}_total", "counter", help_text, "", {"": self.totals[name]})
+            lines += _family(
+                "batch_passes_total",
+                "counter",
+                "decode passes, by the number of sequences sharing them",
+                "sequences",
+                self.passes_by_batch,
+            )
+            lines += _family(
+                "batch_rows_total", "counter", "rows scored in decode passes", "", {"": self.pass_rows}
+            )
+            passes = sum(self.passes_by_batch.values())
+            mean = (
+                sum(size * count for size, count in self.passes_by_batch.items()) / passes if passes else 0.0
+            )
+            lines += _family(
+                "batch_size_mean", "gauge", "mean sequences per decode pass", "", {"": round(mean, 4)}
+            )
         lines += _family("slots", "gauge", "generation slots (--parallel)", "", {"": slots})
         lines += _family("requests_processing", "gauge", "slots generating now", "", {"": busy})
         lines += _family("requests_waiting", "gauge", "requests queued for a free slot", "", {"": waiting})

@@ -1,12 +1,15 @@
-"""Generation slots: N forks of one pipeline, lent to one request at a time.
+"""Generation slots: N forks of one pipeline, lent to one request at a time, all stepped
+together by one batch engine.
 
 Each slot is a `Pipeline.fork()`: the same weights, its own KV caches and per-generation
 state, the shared ngram-mod pool and caches. A request waits for a free slot (first come,
-first served), and its generation runs in a worker thread so the event loop keeps answering
-(/health, other streams). Chunks cross back to the loop through an asyncio queue. When the
-consumer stops reading (its client left), the worker stops after the current step, closes
-the generation (strategies' end() runs) and only then returns the slot: a slot is never
-handed out while a thread still uses its caches.
+first served); its generation then joins the `BatchEngine`, which runs in one thread of its
+own so the event loop keeps answering (/health, other streams): every step, one target pass
+scores the rows of every running generation (continuous batching, `specdecode.scheduler`),
+and generations join and leave between steps. Chunks cross back to the loop through an
+asyncio queue. When the consumer stops reading (its client left), its generation leaves the
+batch at the next step, is closed (strategies' end() runs) and only then returns the slot: a
+slot is never handed out while the engine still uses its caches.
 
 Shutdown (`drain`): requests still waiting for a slot, and any that come later, are refused
 at once with `Closing`; running generations get a grace period, then are cut (stopped after
@@ -22,13 +25,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from specdecode.api import Pipeline
 from specdecode.backends import common_prefix
 from specdecode.generate import Chunk, Generation, GenerationConfig
 from specdecode.sampling import SamplingParams
+from specdecode.scheduler import BatchEngine, Entry, LoadRule, PassRecord
 from specdecode.server.metrics import Metrics
 from specdecode.strategies import DraftModelConfig
 
@@ -63,8 +66,8 @@ FINISHED = _Finished()
 
 
 class Run:
-    """A job running in a slot's worker thread. Iterate `events()` once; leaving the loop
-    early stops the generation at its next step."""
+    """A job running in a slot, stepped by the batch engine. Iterate `events()` once; leaving
+    the loop early stops the generation at its next step."""
 
     def __init__(self, slot: Slot, job: Job, task: int) -> None:
         self.slot = slot
@@ -91,7 +94,8 @@ class Run:
 
 
 class SlotPool:
-    def __init__(self, pipelines: list[Pipeline], metrics: Metrics) -> None:
+    def __init__(self, pipelines: list[Pipeline], metrics: Metrics, rule: LoadRule | None = None) -> None:
+        """rule: how drafts shorten as more generations share a pass (None: they do not)."""
         self.slots = [Slot(index, pipeline) for index, pipeline in enumerate(pipelines)]
         self.size = len(self.slots)
         self.closing = False
@@ -99,8 +103,14 @@ class SlotPool:
         self._waiters: deque[asyncio.Future[Slot]] = deque()
         self._runs: set[Run] = set()
         self._tasks = itertools.count()
-        self._executor = ThreadPoolExecutor(self.size, thread_name_prefix="slot")
         self._metrics = metrics
+        self._engine = BatchEngine(rule, on_pass=self._record_pass)
+        self._joining: deque[tuple[Run, Callable[[object], None], Callable[[], None]]] = deque()
+        self._running: dict[int, tuple[Run, Callable[[object], None], Callable[[], None]]] = {}
+        self._wake = threading.Condition()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._serve, name="batch-engine", daemon=True)
+        self._thread.start()
 
     @property
     def busy(self) -> int:
@@ -140,7 +150,8 @@ class SlotPool:
         self._free.append(slot)
 
     def start(self, slot: Slot, job: Job) -> Run:
-        """Run `job` on an acquired slot; the slot is released when the worker is done."""
+        """Run `job` on an acquired slot: it joins the batch at the engine's next step; the
+        slot is released when its generation has left the batch."""
         loop = asyncio.get_running_loop()
         run = slot.run = Run(slot, job, next(self._tasks))
         self._runs.add(run)
@@ -157,34 +168,73 @@ class SlotPool:
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(done)
 
-        loop.run_in_executor(self._executor, self._work, run, emit, finish)
+        with self._wake:
+            self._joining.append((run, emit, finish))
+            self._wake.notify()
         return run
 
-    def _work(self, run: Run, emit: Callable[[object], None], finish: Callable[[], None]) -> None:
-        """Runs in a worker thread: generate, hand each chunk over, stop when asked."""
+    def _serve(self) -> None:
+        """The engine's thread: admit new jobs, step the batch, hand events over, repeat;
+        sleep while there is nothing to do."""
+        while True:
+            with self._wake:
+                while not self._stopped and not self._joining and not len(self._engine):
+                    self._wake.wait()
+                if self._stopped:
+                    return
+                joining = list(self._joining)
+                self._joining.clear()
+            for run, emit, finish in joining:
+                self._admit(run, emit, finish)
+            for entry in self._engine.entries:
+                run = self._running[id(entry)][0]
+                entry.cancelled = entry.cancelled or run.stop.is_set()
+            try:
+                left = self._engine.step()
+            except Exception as exc:  # a bug outside any one sequence: fail the batch, keep serving
+                for entry in self._engine.entries:
+                    entry.error = exc
+                    entry.generation.close()
+                left, self._engine.entries = self._engine.entries, []
+            for entry in left:
+                self._leave(entry)
+
+    def _admit(self, run: Run, emit: Callable[[object], None], finish: Callable[[], None]) -> None:
+        """A job's generation joins the batch; one that cannot start gets its error at once."""
         pipeline, job = run.slot.pipeline, run.job
         try:
             if not job.cache_prompt:
                 pipeline.target.truncate(0)
             run.n_cached = min(common_prefix(pipeline.target.tokens, job.prompt), len(job.prompt) - 1)
             generation = pipeline.stream(job.prompt, job.sampling, job.config, draft_config=job.draft)
-            steps = iter(generation)
-            try:
-                for chunk in steps:
-                    if run.stop.is_set():
-                        break
-                    run.n_decoded += len(chunk.tokens)
-                    emit(chunk)
-            finally:
-                steps.close()  # runs the generation's finally: strategies end, stop reason set
-            self._metrics.record(generation.stats)
-            emit(generation)
         except Exception as exc:  # reaches the request as a 500; the slot stays usable
             self._metrics.record_failure()
             emit(exc)
-        finally:
             emit(FINISHED)
             finish()
+            return
+
+        def chunk(event: Chunk) -> None:
+            run.n_decoded += len(event.tokens)
+            emit(event)
+
+        entry = self._engine.add(generation, chunk)
+        self._running[id(entry)] = (run, emit, finish)
+
+    def _leave(self, entry: Entry) -> None:
+        """A generation left the batch (finished, cut or failed): its reader gets the end."""
+        _, emit, finish = self._running.pop(id(entry))
+        if entry.error is not None:  # reaches the request as a 500; the slot stays usable
+            self._metrics.record_failure()
+            emit(entry.error)
+        else:
+            self._metrics.record(entry.generation.stats)
+            emit(entry.generation)
+        emit(FINISHED)
+        finish()
+
+    def _record_pass(self, record: PassRecord) -> None:
+        self._metrics.record_pass(record.sequences, record.rows, record.seconds)
 
     def close(self) -> None:
         """Refuse every request waiting for a slot, and every later one."""
@@ -206,5 +256,7 @@ class SlotPool:
             run.stop.set()
 
     def shutdown(self) -> None:
-        """At exit: drop generations not started yet; running ones end with their requests."""
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        """At exit: the engine stops after its current step."""
+        with self._wake:
+            self._stopped = True
+            self._wake.notify()

@@ -1,0 +1,240 @@
+"""Batched speculation: many generations share every target pass (continuous batching).
+
+Each generation keeps everything of its own: its fork of the pipeline (KV caches), its chain
+of strategies, its sampler and its stop rules. A step of the `BatchEngine` does, for all of
+them at once, what `Generation.step` does for one:
+
+1. sequences that were cancelled leave; at most one prompt chunk of a newly joined sequence
+   is evaluated (prompts enter a chunk per step, so a long prompt does not stall the others);
+2. every decoding sequence drafts with its own chain (`Generation.plan`), capped by the
+   `LoadRule`: the more rows share a pass, the dearer a draft token, so drafts shorten, and
+   vanish, as the batch grows;
+3. one target pass scores every sequence's rows (`evaluate_groups`);
+4. each sequence verifies, accepts and rolls back on its own (`Generation.finish`) and hands
+   its chunk to its consumer; finished sequences leave, and new ones may join before the
+   next step.
+
+Nothing a sequence emits depends on the others: its rows get the bits they would get in a
+pass of their own wherever the backend is row-invariant (the native backend, up to
+`max_pass_rows` rows a pass), and its draws come from its own sampler. So a greedy or seeded
+`match` answer equals the answer the same request gets alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from specdecode.backends import Backend
+from specdecode.backends.batch import evaluate_groups, score_alone
+from specdecode.generate import Chunk, Generation, StepPlan
+from specdecode.policy import CostModel
+
+BATCH_CALIBRATION_ROWS = (1, 2, 4, 8, 16, 32, 64)
+ACCEPTANCE_PRIOR = 0.6  # a sequence's P(draft token kept | its parent was) before it drafted
+ACCEPTANCE_WEIGHT = 4.0  # pseudo-observations behind that prior
+ACCEPTANCE_DECAY = 0.95  # older steps weigh less: the text changes
+PROBE_EVERY = 8  # a sequence kept from drafting this many steps may draft one token again
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Entry:
+    """A generation in the batch, with what receives its chunks."""
+
+    generation: Generation
+    emit: Callable[[Chunk], None]
+    cancelled: bool = False  # set from any thread: the sequence leaves at the next step
+    error: BaseException | None = None
+    # [kept, tried] decayed counts of draft tokens reached by verification (see LoadRule).
+    counts: list[float] = field(default_factory=lambda: [0.0, 0.0])
+    steps_without_draft: int = 0
+
+    @property
+    def done(self) -> bool:
+        return self.cancelled or self.error is not None or bool(self.generation.stats.stop_reason)
+
+    def acceptance(self) -> float:
+        kept, tried = self.counts
+        return (kept + ACCEPTANCE_WEIGHT * ACCEPTANCE_PRIOR) / (tried + ACCEPTANCE_WEIGHT)
+
+    def observe(self, n_drafted: int, n_accepted: int) -> None:
+        """A verified chain: tokens 1..n_accepted were kept, the next one (if any) was not."""
+        if n_drafted == 0:
+            self.steps_without_draft += 1
+            return
+        self.steps_without_draft = 0
+        tried = n_accepted + (1 if n_accepted < n_drafted else 0)
+        self.counts = [
+            ACCEPTANCE_DECAY * self.counts[0] + n_accepted,
+            ACCEPTANCE_DECAY * self.counts[1] + tried,
+        ]
+
+    def draft_step_seconds(self) -> float:
+        """What one drafted token has cost this sequence so far (n-gram drafts: next to nothing)."""
+        stats = self.generation.stats
+        return stats.t_draft / stats.totals.n_drafted if stats.totals.n_drafted else 0.0
+
+
+class LoadRule:
+    """How many tokens a sequence may draft when `batch` sequences share a pass.
+
+    A pass of T rows costs a + b*T (the cost model's line, timed at start and refined from
+    every pass run). Without drafts the batch emits `batch` tokens per a + b*batch seconds;
+    one more draft token costs b (its verify row) plus the seconds of drafting it, that is
+    (b + draft) * batch / (a + b*batch) tokens of the batch's output. The j-th token of a
+    chain is kept with probability acceptance^j, so a sequence drafts the j-th token only
+    while acceptance^j exceeds that price. One sequence alone pays little for a row (a
+    dominates), so its drafts stay long; as the batch grows the price nears one token, and
+    drafting stops unless it is nearly always right."""
+
+    def __init__(self, costs: CostModel) -> None:
+        self.costs = costs
+
+    def max_draft(self, batch: int, acceptance: float, draft_seconds: float) -> int:
+        pass_time = self.costs.pass_time(batch)
+        slope = max(0.0, self.costs.pass_time(batch + 1) - pass_time)
+        price = (slope + draft_seconds) * batch / pass_time
+        if price <= 0.0:
+            return 1 << 16
+        if acceptance >= 1.0:
+            return 1 << 16 if price < 1.0 else 0
+        if acceptance <= 0.0 or price >= 1.0:
+            return 0
+        return max(0, math.floor(math.log(price) / math.log(acceptance)))
+
+    @classmethod
+    def timed(cls, backend: Backend) -> LoadRule:
+        """A rule whose cost model times passes of up to 64 rows on `backend` (its cache is
+        left empty). Where timing fails, the rule starts from the cost model's prior and learns
+        from the passes run: a backend that cannot time a pass fails its requests, not this."""
+        costs = CostModel()
+        try:
+            costs.calibrate(backend, BATCH_CALIBRATION_ROWS)
+        except Exception as exc:
+            logger.warning("pass costs could not be timed (%s): starting from the prior", exc)
+            costs = CostModel()
+        return cls(costs)
+
+
+@dataclass
+class PassRecord:
+    """One batched step, for metrics: how many sequences and rows shared the target pass."""
+
+    sequences: int
+    rows: int
+    seconds: float
+
+
+class BatchEngine:
+    """Steps a changing set of generations together (see the module docstring). Not
+    thread-safe: one thread calls `add` and `step`, except `Entry.cancelled`, which any
+    thread may set."""
+
+    def __init__(
+        self, rule: LoadRule | None = None, on_pass: Callable[[PassRecord], None] | None = None
+    ) -> None:
+        """rule: caps drafts under load (None: drafts as the chains choose, whatever the batch)."""
+        self.rule = rule
+        self.on_pass = on_pass
+        self.entries: list[Entry] = []
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def add(self, generation: Generation, emit: Callable[[Chunk], None]) -> Entry:
+        entry = Entry(generation, emit)
+        self.entries.append(entry)
+        return entry
+
+    def step(self) -> list[Entry]:
+        """One step of every sequence; returns the entries that left (finished, failed or
+        cancelled), already closed."""
+        self._prefill_one()
+        decoding = [e for e in self.entries if not e.done and not e.generation.prefilling]
+        if decoding:
+            self._decode(decoding)
+        left = [e for e in self.entries if e.done]
+        for entry in left:
+            entry.generation.close()
+        self.entries = [e for e in self.entries if not e.done]
+        return left
+
+    def _prefill_one(self) -> None:
+        """The next prompt chunk of the sequence that joined first among those prefilling."""
+        for entry in self.entries:
+            if not entry.done and entry.generation.prefilling:
+                self._guarded(entry, lambda e=entry: self._deliver(e, e.generation.prefill_step()))
+                return
+
+    def _decode(self, decoding: list[Entry]) -> None:
+        plans: list[tuple[Entry, StepPlan]] = []
+        for entry in decoding:
+            cap = self._cap(entry, len(decoding))
+            plan = self._guarded(entry, lambda e=entry, c=cap: e.generation.plan(c))
+            if plan is not None:
+                plans.append((entry, plan))
+            elif entry.error is None:  # the context is full: the generation has stopped
+                self._deliver(entry, entry.generation.final_chunk())
+        if not plans:
+            return
+        start = time.perf_counter()
+        logits = self._score([plan for _, plan in plans])
+        seconds = time.perf_counter() - start
+        rows = sum(len(plan.rows) for _, plan in plans)
+        if self.rule is not None:
+            self.rule.costs.observe_pass(rows, seconds)
+        if self.on_pass is not None:
+            self.on_pass(PassRecord(len(plans), rows, seconds))
+        for (entry, plan), scored in zip(plans, logits, strict=True):
+            if isinstance(scored, BaseException):
+                entry.error = scored
+                continue
+            chunk = self._guarded(entry, lambda e=entry, p=plan, s=scored: e.generation.finish(p, s, seconds))
+            if chunk is not None:
+                entry.observe(len(plan.draft.tokens), chunk.n_accepted)
+                self._deliver(entry, chunk)
+
+    def _cap(self, entry: Entry, batch: int) -> int | None:
+        """A sequence alone drafts as its chain chooses (its policy, classic or adaptive)."""
+        if self.rule is None or batch < 2:
+            return None
+        cap = self.rule.max_draft(batch, entry.acceptance(), entry.draft_step_seconds())
+        if cap == 0 and entry.steps_without_draft >= PROBE_EVERY:
+            return 1  # a sequence never allowed to draft would never show it has become worth it
+        return cap
+
+    @staticmethod
+    def _score(plans: list[StepPlan]) -> list:
+        """Logits per plan from one shared pass; if that pass fails, each plan alone, so that
+        one sequence's failure is its own (its slot in the list holds the exception)."""
+        try:
+            return evaluate_groups([plan.rows for plan in plans])
+        except Exception:
+            results: list = []
+            for plan in plans:
+                backend = plan.rows.backend
+                backend.truncate(len(backend.tokens))  # drop nodes the failed pass left pending
+                try:
+                    results.append(score_alone(plan.rows))
+                except Exception as exc:
+                    results.append(exc)
+            return results
+
+    @staticmethod
+    def _guarded(entry: Entry, work: Callable[[], object]):
+        """Run one sequence's part of a step; an exception fails that sequence alone."""
+        try:
+            return work()
+        except Exception as exc:
+            entry.error = exc
+            return None
+
+    @staticmethod
+    def _deliver(entry: Entry, chunk: Chunk | None) -> None:
+        if chunk is not None and (chunk.tokens or chunk.text):
+            entry.emit(chunk)
