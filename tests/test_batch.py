@@ -19,6 +19,7 @@ from transformers import LlamaForCausalLM
 
 from specdecode import DraftModelConfig, GenerationConfig, HFBackend, Pipeline, SamplingParams
 from specdecode.backends.batch import RowGroup, evaluate_groups
+from specdecode.backends.gather import DraftPasses, GatheredBackend
 from specdecode.backends.native import NativeBackend
 from specdecode.errors import SpecdecodeError
 from specdecode.policy import CostModel
@@ -155,6 +156,30 @@ def test_a_refused_group_changes_no_sequence():
     assert all(len(b._tree) == 0 for b in backends)
 
 
+def test_draft_passes_share_one_pass_per_round():
+    """Three sequences drafting at once, each asking its model three times: three shared
+    passes, each sequence getting the logits its own passes give."""
+    first = native("float32")
+    passes = DraftPasses()
+    backends = [GatheredBackend(b, passes) for b in (first, first.fork(), first.fork())]
+    alone = [native("float32") for _ in backends]
+
+    def drafting(backend, seed):
+        rng = random.Random(seed)
+        out = [backend.evaluate([rng.randrange(3, VOCAB_SIZE) for _ in range(rng.randrange(1, 9))], 1)]
+        for _ in range(2):
+            out.append(backend.evaluate([int(out[-1][-1].argmax())]))
+        return out
+
+    together = passes.round([functools.partial(drafting, b, seed) for seed, b in enumerate(backends)])
+    assert passes.passes == 3
+    for seed, (logits, backend) in enumerate(zip(together, alone, strict=True)):
+        assert all(torch.equal(a, b) for a, b in zip(logits, drafting(backend, seed), strict=True))
+    # Outside a round, a gathered backend is its backend.
+    assert torch.equal(backends[0].evaluate([5]), alone[0].evaluate([5]))
+    assert passes.passes == 3
+
+
 # --------------------------------------------------------------------------- generate_batch
 
 SYSTEMS = {
@@ -196,6 +221,9 @@ def test_generate_batch_equals_each_prompt_alone(dtype, system, mode, exactness_
             assert ours.tokens == expected.tokens
             assert ours.text == expected.text
             assert ours.stats.stop_reason == expected.stats.stop_reason
+            if not load_rule and system != "ngram-mod":  # ngram-mod's pool is shared by the batch
+                # The batched draft model drafted exactly what it drafts alone.
+                assert ours.stats.totals.n_drafted == expected.stats.totals.n_drafted
             exactness_log.record(
                 f"batch/{system}-{mode}", "native", ours.stats, ours.stats.stop_reason, dtype
             )

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specdecode.backends import Backend
+from specdecode.backends.gather import DraftPasses, GatheredBackend
 from specdecode.backends.hf import LoadOptions
 from specdecode.backends.load import load_backend
 from specdecode.chain import Chain
@@ -108,13 +109,19 @@ class Pipeline:
         head = load_head(eagle3, target) if eagle3 is not None else None
         return cls(target, draft_backend, eagle3=head, **kwargs)
 
-    def fork(self) -> Pipeline:
+    def fork(self, draft_passes: DraftPasses | None = None) -> Pipeline:
         """A pipeline over the same weights with its own KV caches and per-generation state,
         sharing this one's SharedState: one fork per generation run in parallel (the server's
-        slots). Needs backends that fork (HFBackend does)."""
+        slots, generate_batch's sequences). Needs backends that fork (HFBackend does).
+
+        draft_passes: the rounds of a `BatchEngine` that batch the draft model's passes
+        across its sequences (see `specdecode.backends.gather`)."""
+        draft = self.draft.fork() if self.draft is not None else None
+        if draft is not None and draft_passes is not None:
+            draft = GatheredBackend(draft, draft_passes)
         return Pipeline(
             self.target.fork(),
-            self.draft.fork() if self.draft is not None else None,
+            draft,
             spec_types=self.spec_types,
             draft_config=self.draft_config,
             ngram=self.ngram,
@@ -198,8 +205,9 @@ class Pipeline:
         encoded = [self.encode(prompt) for prompt in prompts]
         for ids in encoded:  # every request checked before any work
             check_room(ids, config.n_predict, self.target.n_ctx)
-        free = deque([self, *(self.fork() for _ in range(min(max_sequences, len(prompts)) - 1))])
-        engine = BatchEngine(self.load_rule() if load_rule else None)
+        passes = DraftPasses() if self.draft is not None else None
+        free = deque(self.fork(passes) for _ in range(min(max_sequences, len(prompts))))
+        engine = BatchEngine(self.load_rule() if load_rule else None, draft_passes=passes)
         waiting = deque(range(len(prompts)))
         running: dict[int, tuple[int, Pipeline]] = {}  # id(entry) -> (prompt index, its seat)
         results: list[Result | None] = [None] * len(prompts)
@@ -219,6 +227,8 @@ class Pipeline:
         finally:
             for entry in engine.entries:  # after a failure: the others end too
                 entry.generation.close()
+            if passes is not None:
+                passes.close()
         return results  # type: ignore[return-value]
 
     def load_rule(self) -> LoadRule:

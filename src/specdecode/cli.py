@@ -20,6 +20,7 @@ from specdecode.backends.load import BACKENDS
 from specdecode.bench import command as bench_command
 from specdecode.bench import drafting as bench_drafting
 from specdecode.bench import passes as bench_passes
+from specdecode.bench import serving as bench_serving
 from specdecode.defaults import resolve_eagle3, resolve_models
 from specdecode.errors import SpecdecodeError, read_text_file
 from specdecode.generate import GenerationConfig
@@ -392,6 +393,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_eval_parser(commands)
     bench_drafting.add_bench_draft_parser(commands)
     bench_passes.add_bench_passes_parser(commands)
+    bench_serving.add_bench_serve_parser(commands)
     return parser
 
 

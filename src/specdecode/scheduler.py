@@ -27,9 +27,11 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 from specdecode.backends import Backend
 from specdecode.backends.batch import evaluate_groups, score_alone
+from specdecode.backends.gather import DraftPasses
 from specdecode.generate import Chunk, Generation, StepPlan
 from specdecode.policy import CostModel
 
@@ -38,6 +40,7 @@ ACCEPTANCE_PRIOR = 0.6  # a sequence's P(draft token kept | its parent was) befo
 ACCEPTANCE_WEIGHT = 4.0  # pseudo-observations behind that prior
 ACCEPTANCE_DECAY = 0.95  # older steps weigh less: the text changes
 PROBE_EVERY = 8  # a sequence kept from drafting this many steps may draft one token again
+DRAFT_COST_EMA = 0.2  # weight of the newest step in the drafting cost's moving average
 
 logger = logging.getLogger(__name__)
 
@@ -73,11 +76,6 @@ class Entry:
             ACCEPTANCE_DECAY * self.counts[0] + n_accepted,
             ACCEPTANCE_DECAY * self.counts[1] + tried,
         ]
-
-    def draft_step_seconds(self) -> float:
-        """What one drafted token has cost this sequence so far (n-gram drafts: next to nothing)."""
-        stats = self.generation.stats
-        return stats.t_draft / stats.totals.n_drafted if stats.totals.n_drafted else 0.0
 
 
 class LoadRule:
@@ -136,12 +134,20 @@ class BatchEngine:
     thread may set."""
 
     def __init__(
-        self, rule: LoadRule | None = None, on_pass: Callable[[PassRecord], None] | None = None
+        self,
+        rule: LoadRule | None = None,
+        on_pass: Callable[[PassRecord], None] | None = None,
+        draft_passes: DraftPasses | None = None,
     ) -> None:
-        """rule: caps drafts under load (None: drafts as the chains choose, whatever the batch)."""
+        """rule: caps drafts under load (None: drafts as the chains choose, whatever the batch).
+        draft_passes: the rounds that batch the sequences' drafting models, when their
+        pipelines were forked with it (`Pipeline.fork(draft_passes=...)`); None: each
+        sequence drafts in turn."""
         self.rule = rule
         self.on_pass = on_pass
+        self.draft_passes = draft_passes
         self.entries: list[Entry] = []
+        self.draft_token_seconds = 0.0  # moving average: drafting time per drafted token
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -173,12 +179,12 @@ class BatchEngine:
 
     def _decode(self, decoding: list[Entry]) -> None:
         plans: list[tuple[Entry, StepPlan]] = []
-        for entry in decoding:
-            cap = self._cap(entry, len(decoding))
-            plan = self._guarded(entry, lambda e=entry, c=cap: e.generation.plan(c))
-            if plan is not None:
+        for entry, plan in zip(decoding, self._plan(decoding), strict=True):
+            if isinstance(plan, BaseException):
+                entry.error = plan
+            elif plan is not None:
                 plans.append((entry, plan))
-            elif entry.error is None:  # the context is full: the generation has stopped
+            else:  # the context is full: the generation has stopped
                 self._deliver(entry, entry.generation.final_chunk())
         if not plans:
             return
@@ -199,11 +205,26 @@ class BatchEngine:
                 entry.observe(len(plan.draft.tokens), chunk.n_accepted)
                 self._deliver(entry, chunk)
 
+    def _plan(self, decoding: list[Entry]) -> list:
+        """Every sequence's StepPlan (None: its context is full; an exception: it failed), in
+        one round when the drafting models are batched; and what a drafted token cost."""
+        jobs = [partial(entry.generation.plan, self._cap(entry, len(decoding))) for entry in decoding]
+        start = time.perf_counter()
+        if self.draft_passes is not None:
+            plans = self.draft_passes.round(jobs)
+        else:
+            plans = [_outcome(job) for job in jobs]
+        drafted = sum(len(p.draft.tokens) for p in plans if isinstance(p, StepPlan))
+        if drafted:
+            seconds = (time.perf_counter() - start) / drafted
+            self.draft_token_seconds += DRAFT_COST_EMA * (seconds - self.draft_token_seconds)
+        return plans
+
     def _cap(self, entry: Entry, batch: int) -> int | None:
         """A sequence alone drafts as its chain chooses (its policy, classic or adaptive)."""
         if self.rule is None or batch < 2:
             return None
-        cap = self.rule.max_draft(batch, entry.acceptance(), entry.draft_step_seconds())
+        cap = self.rule.max_draft(batch, entry.acceptance(), self.draft_token_seconds)
         if cap == 0 and entry.steps_without_draft >= PROBE_EVERY:
             return 1  # a sequence never allowed to draft would never show it has become worth it
         return cap
@@ -238,3 +259,11 @@ class BatchEngine:
     def _deliver(entry: Entry, chunk: Chunk | None) -> None:
         if chunk is not None and (chunk.tokens or chunk.text):
             entry.emit(chunk)
+
+
+def _outcome(job: Callable[[], object]) -> object:
+    """job(), or the exception it raised: one sequence's failure is its own."""
+    try:
+        return job()
+    except Exception as exc:
+        return exc

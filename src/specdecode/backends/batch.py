@@ -8,9 +8,10 @@ every sequence's rows through one forward (`SharedPasses`); any other backend sc
 sequence in a pass of its own, which gives the same logits at the cost of more passes.
 
 A group is one sequence's rows: a chain appended after its cached tokens (what `evaluate`
-takes, `parents` None), or tree nodes (what `evaluate_tree` takes). Every row's logits come
-back, in group order, exactly what the group's own pass would return: bit for bit where the
-backend is row-invariant, which the native backend is for passes of up to its `max_pass_rows`.
+takes, `parents` None), or tree nodes (what `evaluate_tree` takes). The logits of every row
+(of a chain's last `logits_rows`) come back, in group order, exactly what the group's own
+pass would return: bit for bit where the backend is row-invariant, which the native backend
+is for passes of up to its `max_pass_rows`.
 """
 
 from __future__ import annotations
@@ -31,9 +32,15 @@ class RowGroup:
     backend: Backend
     ids: list[int]
     parents: list[int] | None = None  # None: a chain after the cached tokens; else tree nodes
+    logits_rows: int | None = None  # a chain's last rows whose logits are wanted (None: all)
 
     def __len__(self) -> int:
         return len(self.ids)
+
+    @property
+    def wanted(self) -> int:
+        """Rows whose logits come back."""
+        return len(self.ids) if self.logits_rows is None else min(self.logits_rows, len(self.ids))
 
 
 @runtime_checkable
@@ -77,7 +84,7 @@ def evaluate_groups(groups: Sequence[RowGroup]) -> list[torch.Tensor]:
 def score_alone(group: RowGroup) -> torch.Tensor:
     """One group's own pass."""
     if group.parents is None:
-        return group.backend.evaluate(group.ids)
+        return group.backend.evaluate(group.ids, group.logits_rows)
     return group.backend.evaluate_tree(group.ids, group.parents)
 
 

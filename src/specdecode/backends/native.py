@@ -424,10 +424,15 @@ class NativeBackend(HFBackend):
                 parts.append(backend._linear_rows(group.ids))
             else:
                 parts.append(backend._tree_rows_of(group.ids, group.parents))
-        logits = self._run(parts, sum(len(part.ids) for part in parts))
+        wanted = [group.wanted for group in groups]
+        rows, start = [], 0
+        for group, count in zip(groups, wanted, strict=True):
+            rows.extend(range(start + len(group) - count, start + len(group)))
+            start += len(group)
+        logits = self._run(parts, torch.tensor(rows, device=self.device))
         if logits.dtype != torch.float64:
             logits = logits.float().cpu()
-        return list(logits.split([len(part.ids) for part in parts]))
+        return list(logits.split(wanted))
 
     def _check_room(self, n: int) -> None:
         if len(self._tokens) + n > self.n_ctx:
@@ -462,9 +467,9 @@ class NativeBackend(HFBackend):
             list(ids), self._kv.cos[positions], self._kv.sin[positions], attend, self._tree_rows, _nothing
         )
 
-    def _run(self, parts: Sequence[Rows], keep: int) -> torch.Tensor:
-        """One forward over every part's rows -> logits of the last `keep` rows [keep, V]; then
-        each part's hidden-state rows are recorded and its cache updated."""
+    def _run(self, parts: Sequence[Rows], keep: int | torch.Tensor) -> torch.Tensor:
+        """One forward over every part's rows -> logits of the rows `keep` selects (see
+        `_pass`); then each part's hidden-state rows are recorded and its cache updated."""
         if len(parts) == 1:
             part = parts[0]
             ids, cos, sin, attend = part.ids, part.cos, part.sin, part.attend
@@ -510,13 +515,14 @@ class NativeBackend(HFBackend):
         ids: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        keep: int,
+        keep: int | torch.Tensor,
         attend: Attend,
         recorded: Sequence[int],
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """Rows of `ids` with rotary angles cos/sin [T, D] -> logits of the last `keep` rows
-        [keep, V], and the residual stream [T, C] entering each `recorded` layer (the final
-        hidden state for the layer count); `attend` decides what each row sees."""
+        (or of the rows a tensor of indices names), and the residual stream [T, C] entering
+        each `recorded` layer (the final hidden state for the layer count); `attend` decides
+        what each row sees."""
         w, kv = self.weights, self._kv
         n = ids.shape[0]
         captured: dict[int, torch.Tensor] = {}
@@ -537,7 +543,8 @@ class NativeBackend(HFBackend):
             x = x + layer.down(F.silu(gate) * up)
         if len(w.layers) in recorded:
             captured[len(w.layers)] = x
-        return w.lm_head(_rms_norm(x[n - keep :], w.final_norm, w.eps)), captured
+        kept = x[n - keep :] if isinstance(keep, int) else x[keep]
+        return w.lm_head(_rms_norm(kept, w.final_norm, w.eps)), captured
 
     def _linear_attention(self, start: int, end: int) -> Attend:
         """Rows at positions start..end-1, each seeing every position before it."""

@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import BaseModel, ValidationError
 
 from specdecode.api import Pipeline
+from specdecode.backends.gather import DraftPasses
 from specdecode.errors import SpecdecodeError
 from specdecode.generate import Chunk, Generation, GenerationConfig
 from specdecode.sampling import SamplingParams
@@ -111,7 +112,9 @@ class Service:
         self.n_ctx = pipeline.target.n_ctx
         self.metrics = Metrics(pipeline.spec_types)
         rule = pipeline.load_rule() if pipeline.spec_types else None
-        self.slots = SlotPool([pipeline.fork() for _ in range(settings.parallel)], self.metrics, rule)
+        passes = DraftPasses() if pipeline.draft is not None else None
+        forks = [pipeline.fork(passes) for _ in range(settings.parallel)]
+        self.slots = SlotPool(forks, self.metrics, rule, passes)
         tokenizer = pipeline.target.tokenizer
         self.tokenizers = Tokenizers(tokenizer, settings.parallel, self.n_ctx)
         self.n_texts = len(tokenizer)  # ids the tokenizer can decode

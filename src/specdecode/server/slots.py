@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 from specdecode.api import Pipeline
 from specdecode.backends import common_prefix
+from specdecode.backends.gather import DraftPasses
 from specdecode.generate import Chunk, Generation, GenerationConfig
 from specdecode.sampling import SamplingParams
 from specdecode.scheduler import BatchEngine, Entry, LoadRule, PassRecord
@@ -94,8 +95,15 @@ class Run:
 
 
 class SlotPool:
-    def __init__(self, pipelines: list[Pipeline], metrics: Metrics, rule: LoadRule | None = None) -> None:
-        """rule: how drafts shorten as more generations share a pass (None: they do not)."""
+    def __init__(
+        self,
+        pipelines: list[Pipeline],
+        metrics: Metrics,
+        rule: LoadRule | None = None,
+        draft_passes: DraftPasses | None = None,
+    ) -> None:
+        """rule: how drafts shorten as more generations share a pass (None: they do not).
+        draft_passes: what the pipelines were forked with to batch their draft models."""
         self.slots = [Slot(index, pipeline) for index, pipeline in enumerate(pipelines)]
         self.size = len(self.slots)
         self.closing = False
@@ -104,7 +112,7 @@ class SlotPool:
         self._runs: set[Run] = set()
         self._tasks = itertools.count()
         self._metrics = metrics
-        self._engine = BatchEngine(rule, on_pass=self._record_pass)
+        self._engine = BatchEngine(rule, on_pass=self._record_pass, draft_passes=draft_passes)
         self._joining: deque[tuple[Run, Callable[[object], None], Callable[[], None]]] = deque()
         self._running: dict[int, tuple[Run, Callable[[object], None], Callable[[], None]]] = {}
         self._wake = threading.Condition()

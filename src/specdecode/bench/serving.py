@@ -1,0 +1,312 @@
+"""`specdecode bench-serve`: throughput and latency of concurrent requests, per engine.
+
+A closed loop of C clients, each sending its next request as soon as its last one is answered
+(greedy, code-completion prompts from the held-out corpus), for C = 1, 2, 4, ... Systems:
+
+- `threads`: plain generation, one thread and one fork per request, each running its own
+  target passes: how a server without batching serves (the weights are read once per
+  request per step);
+- `batched`: plain generation through the `BatchEngine`: one target pass a step for every
+  running request;
+- `batched:STRATEGIES`: batched speculation with that chain (e.g. `batched:draft`,
+  `batched:ngram-mod`), drafts shortened under load by the `LoadRule`.
+
+For each concurrency, every system runs back to back, so that the ratios printed compare runs
+made minutes apart at most on a machine whose load drifts. Every answer of every system is
+checked against the `threads` answer to the same request (all must be plain greedy output).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import queue
+import statistics
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from specdecode.api import Pipeline
+from specdecode.backends.hf import LoadOptions
+from specdecode.backends.load import load_backend
+from specdecode.bench.tasks import build_tasks
+from specdecode.defaults import resolve_models
+from specdecode.errors import SpecdecodeError
+from specdecode.generate import GenerationConfig
+from specdecode.sampling import SamplingParams
+from specdecode.scheduler import BatchEngine
+from specdecode.strategies import DraftModelConfig
+
+DEFAULT_SYSTEMS = "threads,batched,batched:draft,batched:ngram-mod"
+GREEDY = SamplingParams(temperature=0)
+
+
+def add_bench_serve_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "bench-serve",
+        help="throughput and p50/p99 latency at several concurrencies: per-request threads vs batching",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.set_defaults(handler=run)
+    parser.add_argument("-m", "--model", type=Path, help="target directory (default: the bundled target)")
+    parser.add_argument(
+        "-md", "--model-draft", type=Path, help="draft directory (default: the bundled draft)"
+    )
+    parser.add_argument("--systems", default=DEFAULT_SYSTEMS, help="comma-separated; see the module doc")
+    parser.add_argument("--concurrency", default="1,2,4,8,16,32", help="client counts")
+    parser.add_argument("--requests", type=int, default=2, help="requests per client at each concurrency")
+    parser.add_argument("-n", "--n-predict", type=int, default=64, help="tokens per request")
+    parser.add_argument("--prompts", type=int, default=16, help="distinct prompts (completion task)")
+    parser.add_argument("--draft-max", type=int, default=16)
+    parser.add_argument("--draft-p-min", type=float, default=0.75)
+    parser.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: torch's)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--out", type=Path, default=Path("build/bench-serve"), help="results directory")
+
+
+@dataclass
+class Level:
+    """One system at one concurrency."""
+
+    system: str
+    concurrency: int
+    requests: int
+    tokens: int
+    seconds: float
+    latencies: list[float]
+    exact: int  # answers equal to the `threads` answer to the same request
+    mean_batch: float  # sequences per target pass (1 for threads)
+
+    def row(self) -> dict:
+        ordered = sorted(self.latencies)
+        return {
+            "system": self.system,
+            "concurrency": self.concurrency,
+            "requests": self.requests,
+            "tokens": self.tokens,
+            "seconds": self.seconds,
+            "tokens_per_second": self.tokens / self.seconds,
+            "p50_s": statistics.median(ordered),
+            "p99_s": ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))],
+            "exact": self.exact,
+            "mean_batch": self.mean_batch,
+        }
+
+
+def run(args: argparse.Namespace) -> None:
+    systems = [name.strip() for name in args.systems.split(",") if name.strip()]
+    for name in systems:
+        if name not in ("threads", "batched") and not name.startswith("batched:"):
+            raise SpecdecodeError(f"unknown system {name!r} (threads, batched or batched:STRATEGIES)")
+    levels = [int(c) for c in args.concurrency.split(",")]
+    if any(c < 1 for c in levels) or args.requests < 1:
+        raise SpecdecodeError("concurrencies and --requests must be >= 1")
+    model, draft_dir = resolve_models(args.model, args.model_draft)
+    options = LoadOptions(device=args.device, dtype=args.dtype, threads=args.threads)
+    target = load_backend(model, options)
+    draft = load_backend(draft_dir, options) if draft_dir is not None else None
+    prompts = [target.tokenize(p) for p in build_tasks(["completion"], args.prompts)[0].prompts]
+    config = GenerationConfig(n_predict=args.n_predict, ignore_eos=True)
+    draft_config = DraftModelConfig(n_max=args.draft_max, p_min=args.draft_p_min)
+    pipelines = {name: _pipeline(name, target, draft, draft_config) for name in systems}
+    console = Console()
+    console.print(
+        f"target {model}  draft {draft_dir}  device {args.device}  {args.n_predict} tokens a request"
+    )
+    rows: list[dict] = []
+    for concurrency in levels:
+        requests = [prompts[i % len(prompts)] for i in range(concurrency * args.requests)]
+        reference: list[list[int]] | None = None
+        for name in systems:
+            level, answers = _measure(name, pipelines[name], requests, concurrency, config)
+            if reference is None:
+                reference = answers
+            level.exact = sum(a == b for a, b in zip(answers, reference, strict=True))
+            rows.append(level.row())
+            console.print(_line(rows[-1]))
+    table = _table(rows, systems, levels)
+    console.print(table)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "results.json").write_text(
+        json.dumps({"rows": rows, "args": _jsonable(vars(args))}, indent=2)
+    )
+    (args.out / "serving.md").write_text(markdown(rows, systems, levels))
+    plot = _plot(rows, systems, args.out / "serving.png")
+    console.print(f"wrote {args.out / 'results.json'}, {args.out / 'serving.md'}, {plot}")
+
+
+def _pipeline(name: str, target, draft, draft_config: DraftModelConfig) -> Pipeline:
+    spec = name.partition(":")[2]
+    spec_types = [s for s in spec.replace("+", ",").split(",") if s] if spec else []
+    return Pipeline(
+        target, draft if "draft" in spec_types else None, spec_types=spec_types, draft_config=draft_config
+    )
+
+
+def _measure(
+    name: str, pipeline: Pipeline, requests: list[list[int]], concurrency: int, config: GenerationConfig
+) -> tuple[Level, list[list[int]]]:
+    seats = [pipeline.fork() for _ in range(concurrency)]
+    if name == "threads":
+        return _threads(name, seats, requests, config)
+    return _batched(name, pipeline, seats, requests, config)
+
+
+def _threads(
+    name: str, seats: list[Pipeline], requests: list[list[int]], config: GenerationConfig
+) -> tuple[Level, list[list[int]]]:
+    """One thread per client, each with its own fork, generating request after request."""
+    todo: queue.Queue[int] = queue.Queue()
+    for index in range(len(requests)):
+        todo.put(index)
+    answers: list[list[int]] = [[] for _ in requests]
+    latencies: list[float] = []
+    lock = threading.Lock()
+
+    def client(seat: Pipeline) -> None:
+        while True:
+            try:
+                index = todo.get_nowait()
+            except queue.Empty:
+                return
+            start = time.perf_counter()
+            result = seat.generate(requests[index], GREEDY, config)
+            with lock:
+                latencies.append(time.perf_counter() - start)
+                answers[index] = result.tokens
+
+    start = time.perf_counter()
+    workers = [threading.Thread(target=client, args=(seat,)) for seat in seats]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    seconds = time.perf_counter() - start
+    tokens = sum(len(a) for a in answers)
+    return Level(name, len(seats), len(requests), tokens, seconds, latencies, 0, 1.0), answers
+
+
+def _batched(
+    name: str, pipeline: Pipeline, seats: list[Pipeline], requests: list[list[int]], config: GenerationConfig
+) -> tuple[Level, list[list[int]]]:
+    """The batch engine over one seat per client; a finished request's seat takes the next."""
+    passes: list[int] = []
+    rule = pipeline.load_rule() if pipeline.spec_types else None
+    engine = BatchEngine(rule, on_pass=lambda record: passes.append(record.sequences))
+    waiting = deque(range(len(requests)))
+    free = deque(seats)
+    running: dict[int, tuple[int, Pipeline, float]] = {}
+    answers: list[list[int]] = [[] for _ in requests]
+    latencies: list[float] = []
+    start = time.perf_counter()
+    while waiting or len(engine):
+        while waiting and free:
+            index, seat = waiting.popleft(), free.popleft()
+            entry = engine.add(seat.stream(requests[index], GREEDY, config), lambda chunk: None)
+            running[id(entry)] = (index, seat, time.perf_counter())
+        for entry in engine.step():
+            index, seat, began = running.pop(id(entry))
+            if entry.error is not None:
+                raise entry.error
+            latencies.append(time.perf_counter() - began)
+            answers[index] = entry.generation.tokens
+            free.append(seat)
+    seconds = time.perf_counter() - start
+    tokens = sum(len(a) for a in answers)
+    mean_batch = sum(passes) / len(passes) if passes else 0.0
+    return Level(name, len(seats), len(requests), tokens, seconds, latencies, 0, mean_batch), answers
+
+
+def _line(row: dict) -> str:
+    return (
+        f"C={row['concurrency']:<3d} {row['system']:<22s} {row['tokens_per_second']:8.1f} tok/s  "
+        f"p50 {row['p50_s']:6.2f} s  p99 {row['p99_s']:6.2f} s  batch {row['mean_batch']:5.2f}  "
+        f"exact {row['exact']}/{row['requests']}"
+    )
+
+
+def _by(rows: list[dict]) -> dict[tuple[str, int], dict]:
+    return {(row["system"], row["concurrency"]): row for row in rows}
+
+
+def _table(rows: list[dict], systems: list[str], levels: list[int]) -> Table:
+    table = Table(title="tokens/s (p50 latency s) by concurrency; x: vs the system before it")
+    table.add_column("system")
+    for c in levels:
+        table.add_column(f"C={c}", justify="right")
+    index = _by(rows)
+    for position, name in enumerate(systems):
+        cells = []
+        for c in levels:
+            row = index[(name, c)]
+            cell = f"{row['tokens_per_second']:.0f} ({row['p50_s']:.2f})"
+            if position > 0:
+                base = index[(_baseline(systems, position), c)]
+                cell += f" {row['tokens_per_second'] / base['tokens_per_second']:.2f}x"
+            cells.append(cell)
+        table.add_row(name, *cells)
+    return table
+
+
+def _baseline(systems: list[str], position: int) -> str:
+    """Batched plain is what batched speculation must beat; batched plain must beat threads."""
+    if systems[position].startswith("batched:") and "batched" in systems:
+        return "batched"
+    return systems[0]
+
+
+def markdown(rows: list[dict], systems: list[str], levels: list[int]) -> str:
+    index = _by(rows)
+    lines = [
+        "| system | " + " | ".join(f"C={c}" for c in levels) + " |",
+        "|---|" + "---:|" * len(levels),
+    ]
+    for position, name in enumerate(systems):
+        cells = []
+        for c in levels:
+            row = index[(name, c)]
+            cell = f"{row['tokens_per_second']:.0f} tok/s, p50 {row['p50_s']:.2f} s, p99 {row['p99_s']:.2f} s"
+            if position > 0:
+                base = index[(_baseline(systems, position), c)]
+                cell += f", **{row['tokens_per_second'] / base['tokens_per_second']:.2f}x**"
+            cells.append(cell)
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _plot(rows: list[dict], systems: list[str], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for name in systems:
+        mine = sorted((r for r in rows if r["system"] == name), key=lambda r: r["concurrency"])
+        xs = [r["concurrency"] for r in mine]
+        left.plot(xs, [r["tokens_per_second"] for r in mine], marker="o", label=name)
+        right.plot(xs, [r["p50_s"] for r in mine], marker="o", label=name)
+    for axis, label in ((left, "tokens/s"), (right, "p50 latency (s)")):
+        axis.set_xscale("log", base=2)
+        axis.set_xlabel("concurrent clients")
+        axis.set_ylabel(label)
+        axis.grid(alpha=0.3)
+    left.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path
+
+
+def _jsonable(values: dict) -> dict:
+    return {
+        key: str(value) if isinstance(value, Path) else value
+        for key, value in values.items()
+        if key != "handler"
+    }
