@@ -42,6 +42,7 @@ from specdecode import (
     SamplingParams,
     SpecdecodeError,
 )
+from specdecode.backends.native import NativeBackend
 from specdecode.cli import build_parser, main
 from specdecode.loadtest import percentile
 from specdecode.server import ServerSettings, create_app
@@ -513,6 +514,52 @@ def test_parallel_streams_each_get_their_own_answer(url):
         answers = dict(zip(PROMPTS, pool.map(stream, PROMPTS), strict=True))
     assert answers == expected
     assert httpx.get(f"{url}/health").json()["slots_idle"] == 4
+
+
+def native_pipeline() -> Pipeline:
+    """The native backend, whose forks share one forward: slots batch into shared passes."""
+    tokenizer = cached_tokenizer()
+    return Pipeline(
+        NativeBackend(target_model(SPEC), tokenizer),
+        NativeBackend(draft_model(SPEC, 0.1), tokenizer),
+        spec_types=["ngram-simple", "draft"],
+        draft_config=DRAFT_CONFIG,
+    )
+
+
+def test_64_clients_share_passes_and_each_gets_its_solo_answer():
+    """64 concurrent clients on 8 slots, greedy and seeded, streamed and whole: no error, every
+    answer is what the library gives the request alone, and decode passes were shared."""
+    solo = native_pipeline()
+    requests = []
+    for index in range(64):
+        sampling = GREEDY if index % 2 else SamplingParams(temperature=0.8, seed=index)
+        requests.append((PROMPTS[index % len(PROMPTS)], sampling, index % 4 == 0))
+    expected = [
+        solo.generate(prompt, sampling, GenerationConfig(n_predict=24)).text
+        for prompt, sampling, _ in requests
+    ]
+
+    def ask(base: str, prompt: str, sampling: SamplingParams, stream: bool) -> str:
+        body = {"prompt": prompt, "max_tokens": 24, "temperature": sampling.temperature, "stream": stream}
+        if sampling.seed is not None:
+            body["seed"] = sampling.seed
+        if not stream:
+            reply = httpx.post(f"{base}/v1/completions", json=body, timeout=300)
+            assert reply.status_code == 200, reply.text
+            return reply.json()["choices"][0]["text"]
+        with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=300) as response:
+            events = sse_events(response)
+        assert events[-1] == "[DONE]"
+        return "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
+
+    with running(pipeline=native_pipeline(), parallel=8) as (base, _):
+        with ThreadPoolExecutor(64) as pool:
+            answers = list(pool.map(lambda request: ask(base, *request), requests))
+        assert answers == expected
+        assert metric(base, 'specdecode_requests_total{outcome="completed"}') == 64
+        assert metric(base, "specdecode_batch_size_mean") > 1.5
+        assert httpx.get(f"{base}/health").json()["slots_idle"] == 8
 
 
 def test_health_answers_while_every_slot_generates():
