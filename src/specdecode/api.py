@@ -88,6 +88,7 @@ class Pipeline:
         self._check_chains(draft_config)
         self.policy_models = None
         self._load_rule: LoadRule | None = None
+        self._batch: tuple[DraftPasses | None, list[Pipeline]] | None = None  # see _seats
         if spec_policy == "adaptive" and self.spec_types:
             self.policy_models = (
                 policy_models if policy_models is not None else PolicyModels.for_target(target)
@@ -205,8 +206,8 @@ class Pipeline:
         encoded = [self.encode(prompt) for prompt in prompts]
         for ids in encoded:  # every request checked before any work
             check_room(ids, config.n_predict, self.target.n_ctx)
-        passes = DraftPasses() if self.draft is not None else None
-        free = deque(self.fork(passes) for _ in range(min(max_sequences, len(prompts))))
+        passes, seats = self._seats(min(max_sequences, len(prompts)))
+        free = deque(seats)
         engine = BatchEngine(self.load_rule() if load_rule else None, draft_passes=passes)
         waiting = deque(range(len(prompts)))
         running: dict[int, tuple[int, Pipeline]] = {}  # id(entry) -> (prompt index, its seat)
@@ -227,9 +228,15 @@ class Pipeline:
         finally:
             for entry in engine.entries:  # after a failure: the others end too
                 entry.generation.close()
-            if passes is not None:
-                passes.close()
         return results  # type: ignore[return-value]
+
+    def _seats(self, count: int) -> tuple[DraftPasses | None, list[Pipeline]]:
+        """generate_batch's forks, made once and kept (with their caches) for the next call."""
+        if self._batch is None:
+            self._batch = (DraftPasses() if self.draft is not None else None, [])
+        passes, seats = self._batch
+        seats.extend(self.fork(passes) for _ in range(count - len(seats)))
+        return passes, seats[:count]
 
     def load_rule(self) -> LoadRule:
         """The rule that shortens drafts under load, its pass costs timed once per pipeline

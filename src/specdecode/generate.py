@@ -9,6 +9,12 @@ in it. A step scores `last` and the draft's nodes in one pass: a chain as the ro
 [last, d0, ..., d(k-1)] at positions len(history)..., then keeps positions
 < len(history) + 1 + n_accepted; a tree as a tree pass rooted at `last`, then commits the
 accepted path. Verification walks either from the root, so the loop treats both alike.
+
+A step is two halves around the target pass: `plan` drafts and names the rows to score,
+`finish` verifies them and keeps what was accepted. `step` runs both around a pass of its own;
+the batch engine (`specdecode.scheduler`) runs every sequence's `plan`, one pass for all of
+their rows, then every `finish`, so a sequence decides its tokens with the same lines alone or
+in a batch. The prompt enters the cache a chunk at a time (`prefill_step`) for the same reason.
 """
 
 from __future__ import annotations

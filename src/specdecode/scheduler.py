@@ -36,8 +36,8 @@ from specdecode.generate import Chunk, Generation, StepPlan
 from specdecode.policy import CostModel
 
 BATCH_CALIBRATION_ROWS = (1, 2, 4, 8, 16, 32, 64)
-ACCEPTANCE_PRIOR = 0.6  # a sequence's P(draft token kept | its parent was) before it drafted
-ACCEPTANCE_WEIGHT = 4.0  # pseudo-observations behind that prior
+ACCEPTANCE_PRIOR = 0.6  # P(draft token kept | its parent was) before any sequence drafted
+ACCEPTANCE_WEIGHT = 4.0  # pseudo-observations behind a prior
 ACCEPTANCE_DECAY = 0.95  # older steps weigh less: the text changes
 PROBE_EVERY = 8  # a sequence kept from drafting this many steps may draft one token again
 DRAFT_COST_EMA = 0.2  # weight of the newest step in the drafting cost's moving average
@@ -61,9 +61,11 @@ class Entry:
     def done(self) -> bool:
         return self.cancelled or self.error is not None or bool(self.generation.stats.stop_reason)
 
-    def acceptance(self) -> float:
+    def acceptance(self, prior: float) -> float:
+        """P(a draft token is kept | its parent was): this sequence's counts, pulled towards
+        `prior` (what the batch's sequences have seen) while it has drafted little."""
         kept, tried = self.counts
-        return (kept + ACCEPTANCE_WEIGHT * ACCEPTANCE_PRIOR) / (tried + ACCEPTANCE_WEIGHT)
+        return (kept + ACCEPTANCE_WEIGHT * prior) / (tried + ACCEPTANCE_WEIGHT)
 
     def observe(self, n_drafted: int, n_accepted: int) -> None:
         """A verified chain: tokens 1..n_accepted were kept, the next one (if any) was not."""
@@ -71,11 +73,13 @@ class Entry:
             self.steps_without_draft += 1
             return
         self.steps_without_draft = 0
-        tried = n_accepted + (1 if n_accepted < n_drafted else 0)
-        self.counts = [
-            ACCEPTANCE_DECAY * self.counts[0] + n_accepted,
-            ACCEPTANCE_DECAY * self.counts[1] + tried,
-        ]
+        self.counts = decayed(self.counts, n_drafted, n_accepted)
+
+
+def decayed(counts: list[float], n_drafted: int, n_accepted: int) -> list[float]:
+    """[kept, tried] after a verified chain of n_drafted tokens (older steps decayed)."""
+    tried = n_accepted + (1 if n_accepted < n_drafted else 0)
+    return [ACCEPTANCE_DECAY * counts[0] + n_accepted, ACCEPTANCE_DECAY * counts[1] + tried]
 
 
 class LoadRule:
@@ -148,6 +152,7 @@ class BatchEngine:
         self.draft_passes = draft_passes
         self.entries: list[Entry] = []
         self.draft_token_seconds = 0.0  # moving average: drafting time per drafted token
+        self.counts = [0.0, 0.0]  # [kept, tried] draft tokens of every sequence, decayed
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -203,6 +208,8 @@ class BatchEngine:
             chunk = self._guarded(entry, lambda e=entry, p=plan, s=scored: e.generation.finish(p, s, seconds))
             if chunk is not None:
                 entry.observe(len(plan.draft.tokens), chunk.n_accepted)
+                if plan.draft.tokens:
+                    self.counts = decayed(self.counts, len(plan.draft.tokens), chunk.n_accepted)
                 self._deliver(entry, chunk)
 
     def _plan(self, decoding: list[Entry]) -> list:
@@ -224,7 +231,9 @@ class BatchEngine:
         """A sequence alone drafts as its chain chooses (its policy, classic or adaptive)."""
         if self.rule is None or batch < 2:
             return None
-        cap = self.rule.max_draft(batch, entry.acceptance(), self.draft_token_seconds)
+        kept, tried = self.counts
+        prior = (kept + ACCEPTANCE_WEIGHT * ACCEPTANCE_PRIOR) / (tried + ACCEPTANCE_WEIGHT)
+        cap = self.rule.max_draft(batch, entry.acceptance(prior), self.draft_token_seconds)
         if cap == 0 and entry.steps_without_draft >= PROBE_EVERY:
             return 1  # a sequence never allowed to draft would never show it has become worth it
         return cap

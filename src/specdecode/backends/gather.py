@@ -113,10 +113,6 @@ class DraftPasses:
             request.done = True
         self._baton.notify_all()
 
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False)
-
 
 class GatheredBackend:
     """A draft backend whose passes join the round's shared pass (see `DraftPasses`); every
