@@ -191,3 +191,18 @@ def test_bench_passes_times_every_row_count_for_target_and_draft(pair, capsys):
     # the target's tree passes through each of them too
     assert [row.split("│")[1].strip() for row in rows] == ["target"] * 6 + ["draft"] * 3
     assert {row.split("│")[2].strip() for row in rows} == {"hf", "native", "hf tree", "native tree"}
+
+
+def test_bench_serve_compares_threads_with_batching_and_checks_every_answer(pair, tmp_path, capsys):
+    target, draft = pair
+    out = tmp_path / "serve"
+    argv = ["bench-serve", "-m", str(target), "-md", str(draft), "--concurrency", "1,3", "--requests", "1"]
+    assert main([*argv, "-n", "6", "--prompts", "2", "--out", str(out), "--dtype", "float32"]) == 0
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    systems = ["threads", "batched", "batched:draft", "batched:ngram-mod"]
+    assert [(r["system"], r["concurrency"]) for r in rows] == [(s, c) for c in (1, 3) for s in systems]
+    assert all(r["exact"] == r["requests"] and r["tokens"] == 6 * r["requests"] for r in rows)
+    assert max(r["mean_batch"] for r in rows if r["system"] == "batched") > 1
+    assert (out / "serving.png").is_file() and "C=3" in (out / "serving.md").read_text()
+    assert main(["bench-serve", "-m", str(target), "--systems", "threads,fast", "--out", str(out)]) == 2
+    assert "unknown system 'fast'" in capsys.readouterr().err
