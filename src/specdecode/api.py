@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specdecode.backends import Backend
-from specdecode.backends.gather import DraftPasses, GatheredBackend
+from specdecode.backends.gather import DraftPasses, GatheredBackend, GatheredHead
 from specdecode.backends.hf import LoadOptions
 from specdecode.backends.load import load_backend
 from specdecode.chain import Chain
@@ -118,8 +118,10 @@ class Pipeline:
         draft_passes: the rounds of a `BatchEngine` that batch the draft model's passes
         across its sequences (see `specdecode.backends.gather`)."""
         draft = self.draft.fork() if self.draft is not None else None
-        if draft is not None and draft_passes is not None:
-            draft = GatheredBackend(draft, draft_passes)
+        eagle3 = self.eagle3
+        if draft_passes is not None:
+            draft = GatheredBackend(draft, draft_passes) if draft is not None else None
+            eagle3 = GatheredHead(eagle3, draft_passes) if eagle3 is not None else None
         return Pipeline(
             self.target.fork(),
             draft,
@@ -128,7 +130,7 @@ class Pipeline:
             ngram=self.ngram,
             replacements=self.replacements,
             shared=self.shared,
-            eagle3=self.eagle3,
+            eagle3=eagle3,
             spec_policy=self.spec_policy,
             policy_models=self.policy_models,
         )
@@ -233,7 +235,8 @@ class Pipeline:
     def _seats(self, count: int) -> tuple[DraftPasses | None, list[Pipeline]]:
         """generate_batch's forks, made once and kept (with their caches) for the next call."""
         if self._batch is None:
-            self._batch = (DraftPasses() if self.draft is not None else None, [])
+            models = self.draft is not None or self.eagle3 is not None
+            self._batch = (DraftPasses() if models else None, [])
         passes, seats = self._batch
         seats.extend(self.fork(passes) for _ in range(count - len(seats)))
         return passes, seats[:count]

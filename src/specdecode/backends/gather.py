@@ -1,4 +1,4 @@
-"""Drafting models batched across sequences, with the strategies left as they are.
+"""Drafting models (and EAGLE-3 heads) batched across sequences, strategies left as they are.
 
 A drafting strategy is sequential code: it asks its draft model for logits, looks at them,
 asks again. In a batch, every sequence's strategy does that at once, and each of those passes
@@ -6,10 +6,11 @@ is one or a few rows: run one after another they cost the batch a pass per seque
 token. `DraftPasses` turns them into one pass per round without rewriting any strategy: the
 sequences draft in threads, one at a time (a baton passed around, so no two ever run strategy
 code together and shared state needs no new locks), and a thread that asks its model for
-logits (`GatheredBackend.evaluate`) hands the baton on and waits. When every sequence still
-drafting is waiting, the waiting requests run as one shared pass (`evaluate_groups`) and each
-thread resumes with its own logits. A strategy cannot tell the difference: it gets the logits
-of its own rows, bit for bit where the backend is row-invariant.
+logits (`GatheredBackend.evaluate`, or an EAGLE-3 head's step) hands the baton on and waits.
+When every sequence still drafting is waiting, the waiting requests run as one shared pass per
+kind (`evaluate_groups` for draft models, `Eagle3Head.step_many` for a head) and each thread
+resumes with its own result. A strategy cannot tell the difference: it gets the logits of its
+own rows, bit for bit where the backend is row-invariant.
 
 Outside a round (a generation alone), a GatheredBackend is its backend: every call goes
 straight through.
@@ -31,10 +32,16 @@ from specdecode.backends.batch import RowGroup, evaluate_groups, score_alone
 T = TypeVar("T")
 
 
+# run(items) -> one result per item, or the exception that item's part raised.
+BatchCall = Callable[[list], list]
+
+
 @dataclass
 class _Request:
-    group: RowGroup
-    logits: torch.Tensor | None = None
+    key: object  # requests with equal keys run in one call
+    item: object
+    run: BatchCall
+    result: object = None
     error: BaseException | None = None
     done: bool = False
 
@@ -76,42 +83,57 @@ class DraftPasses:
                 self._remaining -= 1
                 self._run_if_all_wait()
 
-    def evaluate(self, group: RowGroup) -> torch.Tensor:
-        """The group's logits: from the round's next shared pass when the caller drafts in a
-        round, else from a pass of its own."""
+    def gather(self, key: object, item: object, run: BatchCall):
+        """item's result from one call of `run` over every item waiting with the same key,
+        when the caller drafts in a round; else from run([item])."""
         if not getattr(self._local, "member", False):
-            return score_alone(group)
-        with self._baton:
-            request = _Request(group)
-            self._waiting.append(request)
-            self._run_if_all_wait()
-            self._baton.wait_for(lambda: request.done)
-        if request.error is not None:
-            raise request.error
-        assert request.logits is not None
-        return request.logits
+            (result,) = run([item])
+        else:
+            with self._baton:
+                request = _Request(key, item, run)
+                self._waiting.append(request)
+                self._run_if_all_wait()
+                self._baton.wait_for(lambda: request.done)
+            result = request.error if request.error is not None else request.result
+        if isinstance(result, BaseException):
+            raise result
+        return result
 
     def _run_if_all_wait(self) -> None:
-        """With the baton held: when every member still drafting waits for logits, run their
-        requests as one pass (each alone if the shared pass fails) and wake them."""
+        """With the baton held: when every member still drafting waits, run the waiting
+        requests, one call per key, and wake their threads."""
         if not self._waiting or len(self._waiting) < self._remaining:
             return
         requests, self._waiting = self._waiting, []
-        try:
-            results = evaluate_groups([r.group for r in requests])
-            self.passes += 1
-            for request, logits in zip(requests, results, strict=True):
-                request.logits = logits
-        except Exception:
-            for request in requests:
-                request.group.backend.truncate(len(request.group.backend.tokens))
-                try:
-                    request.logits = score_alone(request.group)
-                except Exception as exc:
-                    request.error = exc
+        by_key: dict[object, list[_Request]] = {}
         for request in requests:
-            request.done = True
+            by_key.setdefault(request.key, []).append(request)
+        for group in by_key.values():
+            try:
+                results = group[0].run([r.item for r in group])
+                self.passes += 1
+            except Exception as exc:
+                results = [exc] * len(group)
+            for request, result in zip(group, results, strict=True):
+                request.result = result
+                request.done = True
         self._baton.notify_all()
+
+
+def evaluate_each(groups: list[RowGroup]) -> list:
+    """Logits of every group from shared passes; if those fail, each group alone, so that a
+    failure is only the failing group's."""
+    try:
+        return evaluate_groups(groups)
+    except Exception:
+        results: list = []
+        for group in groups:
+            group.backend.truncate(len(group.backend.tokens))  # drop nodes a failed pass left pending
+            try:
+                results.append(score_alone(group))
+            except Exception as exc:
+                results.append(exc)
+        return results
 
 
 class GatheredBackend:
@@ -126,10 +148,29 @@ class GatheredBackend:
         return getattr(self.inner, name)
 
     def evaluate(self, ids: Sequence[int], logits_rows: int | None = None) -> torch.Tensor:
-        return self.passes.evaluate(RowGroup(self.inner, list(ids), logits_rows=logits_rows))
+        return self.passes.gather(
+            GatheredBackend, RowGroup(self.inner, list(ids), logits_rows=logits_rows), evaluate_each
+        )
 
     def evaluate_tree(self, ids: Sequence[int], parents: Sequence[int]) -> torch.Tensor:
-        return self.passes.evaluate(RowGroup(self.inner, list(ids), list(parents)))
+        return self.passes.gather(
+            GatheredBackend, RowGroup(self.inner, list(ids), list(parents)), evaluate_each
+        )
+
+
+class GatheredHead:
+    """An EAGLE-3 head whose steps join the round's shared step (`Eagle3Head.step_many`);
+    every other attribute is the head's."""
+
+    def __init__(self, head, passes: DraftPasses) -> None:
+        self.inner = head
+        self.passes = passes
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def step(self, tokens: list[int], g: torch.Tensor, start: int, cache) -> torch.Tensor:
+        return self.passes.gather(self.inner, (tokens, g, start, cache), self.inner.step_many)
 
 
 def _outcome(job: Callable[[], T]) -> T | BaseException:

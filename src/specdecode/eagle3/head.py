@@ -244,21 +244,43 @@ class Eagle3Head(nn.Module):
     def step(self, tokens: list[int], g: torch.Tensor, start: int, cache: HeadCache) -> torch.Tensor:
         """Run pairs (tokens, g [T, H]) at positions start.. through the layer with `cache`, which
         must hold exactly positions 0..start-1; returns the pre-norm states [T, H]."""
-        assert cache.n == start, (cache.n, start)
+        return self.step_many([(tokens, g, start, cache)])[0]
+
+    def step_many(self, steps: list[tuple[list[int], torch.Tensor, int, HeadCache]]) -> list[torch.Tensor]:
+        """Several sequences' `step`s, (tokens, g, start, cache) each, in one pass of the layer:
+        their rows side by side, each sequence's attending over its own cache."""
+        for _, _, start, cache in steps:
+            assert cache.n == start, (cache.n, start)
         device = self.fc.weight.device
-        ids = torch.tensor([tokens], dtype=torch.long, device=device)
-        positions = torch.arange(start, start + len(tokens), device=device)
+        sizes = [len(tokens) for tokens, _, _, _ in steps]
+        ids = torch.tensor(
+            [[token for tokens, _, _, _ in steps for token in tokens]], dtype=torch.long, device=device
+        )
+        positions = torch.cat(
+            [
+                torch.arange(start, start + n, device=device)
+                for (_, _, start, _), n in zip(steps, sizes, strict=True)
+            ]
+        )
+        g = torch.cat([g for _, g, _, _ in steps]).to(self.fc.weight.dtype)
         groups = self.config.num_attention_heads // self.config.num_key_value_heads
 
         def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            keys, values = cache.append(k, v)
-            # query t (position start + t) sees keys 0..start + t
-            mask = torch.arange(keys.shape[2], device=device)[None] <= positions[:, None]  # [T, S]
-            return F.scaled_dot_product_attention(
-                q, repeat_kv(keys, groups), repeat_kv(values, groups), attn_mask=mask
-            )
+            out, first = [], 0
+            for (_, _, _, cache), n in zip(steps, sizes, strict=True):
+                rows = slice(first, first + n)
+                keys, values = cache.append(k[:, :, rows], v[:, :, rows])
+                # query t (position start + t) sees keys 0..start + t
+                mask = torch.arange(keys.shape[2], device=device)[None] <= positions[rows, None]  # [T, S]
+                out.append(
+                    F.scaled_dot_product_attention(
+                        q[:, :, rows], repeat_kv(keys, groups), repeat_kv(values, groups), attn_mask=mask
+                    )
+                )
+                first += n
+            return torch.cat(out, dim=2)
 
-        return self.layer(ids, g[None].to(self.fc.weight.dtype), positions, attend)[0]
+        return list(self.layer(ids, g[None], positions, attend)[0].split(sizes))
 
     def tree_step(
         self, tokens: list[int], g: torch.Tensor, parents: list[int], tree: HeadTree

@@ -112,7 +112,7 @@ class Service:
         self.n_ctx = pipeline.target.n_ctx
         self.metrics = Metrics(pipeline.spec_types)
         rule = pipeline.load_rule() if pipeline.spec_types else None
-        passes = DraftPasses() if pipeline.draft is not None else None
+        passes = DraftPasses() if pipeline.draft is not None or pipeline.eagle3 is not None else None
         forks = [pipeline.fork(passes) for _ in range(settings.parallel)]
         self.slots = SlotPool(forks, self.metrics, rule, passes)
         tokenizer = pipeline.target.tokenizer
