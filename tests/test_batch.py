@@ -244,7 +244,10 @@ def test_generate_batch_with_eagle3_equals_alone(zoo, mode, exactness_log):
         )
 
     solo = [make().generate(p, sampling, config) for p in batch]
-    results = make().generate_batch(batch, sampling, config, max_sequences=3, load_rule=False)
+    batched = make()
+    results = batched.generate_batch(batch, sampling, config, max_sequences=3, load_rule=False)
+    passes, _ = batched._seats(3)
+    assert passes is not None and passes.passes > 0  # the heads' steps were shared
     drafted = 0
     for ours, expected in zip(results, solo, strict=True):
         assert ours.tokens == expected.tokens
