@@ -15,6 +15,10 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[dev]'
+	# speculators (vLLM's head format), whose config classes and EAGLE-3 model the tests read our
+	# exports with: without its dependencies, which name torchvision and torchaudio (pulling
+	# another torch); the ones its import needs are in the dev extra.
+	$(BIN)/pip install -q --no-deps speculators==0.9.0 hs-connectors==0.9.0
 	touch $@
 
 # The bundled pair: a continuation with its speed and acceptance, then the quick benchmark.

@@ -96,13 +96,14 @@ class Pipeline:
         draft: str | Path | None = None,
         *,
         eagle3: str | Path | None = None,
+        eagle3_layer_offset: int | None = None,
         target_options: LoadOptions = LoadOptions(),
         draft_options: LoadOptions = LoadOptions(),
         **kwargs,
     ) -> Pipeline:
         target = load_backend(model, target_options)
         draft_backend = load_backend(draft, draft_options) if draft is not None else None
-        head = load_head(eagle3, target) if eagle3 is not None else None
+        head = load_head(eagle3, target, eagle3_layer_offset) if eagle3 is not None else None
         return cls(target, draft_backend, eagle3=head, **kwargs)
 
     def fork(self) -> Pipeline:

@@ -213,6 +213,8 @@ class Eagle3Head(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.arange(config.draft_vocab_size))  # draft index -> target id
+        # how the layer ids were chosen or read (`checkpoint.load_head` says which convention)
+        self.layer_note = f"EAGLE-3 head reads target layer inputs {list(config.target_layer_ids)}"
         self.shares_embeddings = embeddings is not None
         if embeddings is None:
             self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)

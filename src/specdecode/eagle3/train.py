@@ -41,8 +41,9 @@ from transformers import PreTrainedTokenizerBase
 
 from specdecode.backends.hf import HFBackend, LoadOptions
 from specdecode.eagle3.calibrate import calibrate_head
-from specdecode.eagle3.checkpoint import check_fits, default_layer_ids, load_head, save_head
+from specdecode.eagle3.checkpoint import check_fits, load_head, save_head
 from specdecode.eagle3.head import Eagle3Config, Eagle3Head, read_target, unrolled_states
+from specdecode.eagle3.layouts import default_layer_ids
 from specdecode.errors import SpecdecodeError
 from specdecode.train import lm
 from specdecode.train.lm import LossFn, TrainConfig
@@ -68,6 +69,12 @@ class HeadShape:
     def __post_init__(self) -> None:
         if min(self.heads, self.kv_heads, self.intermediate, self.draft_vocab, self.unroll) < 1:
             raise SpecdecodeError(f"head sizes and unroll must be >= 1: {self}")
+        if self.layer_ids and self.layer_ids[0] == 1:
+            # SGLang and `load_head` read a first id of 1 as SpecForge's "output of layer 0"
+            raise SpecdecodeError(
+                "layer ids starting with 1 are ambiguous: engines read them as SpecForge's "
+                "'output of layer' ids and shift them by one; start with 0 or 2"
+            )
 
 
 EAGLE3_SHAPE = HeadShape()
