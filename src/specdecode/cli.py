@@ -411,6 +411,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(argv) if argv is not None else sys.argv[1:]  # what `train --nproc` starts again
     hf_logging.disable_progress_bar()  # loading bars would bury the one line that matters
     try:
         args.handler(args)

@@ -45,7 +45,7 @@ from specdecode.eagle3.checkpoint import check_fits, load_head, save_head
 from specdecode.eagle3.head import Eagle3Config, Eagle3Head, read_target, unrolled_states
 from specdecode.eagle3.layouts import default_layer_ids
 from specdecode.errors import SpecdecodeError
-from specdecode.train import lm
+from specdecode.train import distributed, lm
 from specdecode.train.lm import LossFn, TrainConfig
 
 STEP_WEIGHT = 0.8  # weight of unroll step j: STEP_WEIGHT ** j
@@ -177,14 +177,16 @@ def generate_sequences(
     starts = torch.randint(0, len(tokens) - PREFIX_TOKENS + 1, (count,), generator=generator).numpy()
     prefixes = torch.from_numpy(tokens[starts[:, None] + np.arange(PREFIX_TOKENS)].astype(np.int64))
     device = next(target.parameters()).device
-    bar = tqdm(total=count * NEW_TOKENS, disable=not progress, unit="tok", desc="generating")
-    rows = []
-    for first in range(0, count, GENERATION_BATCH):
-        batch = prefixes[first : first + GENERATION_BATCH].to(device)
+    rank, size = distributed.world()
+    mine = torch.tensor_split(prefixes, size)[rank]  # each process continues its share
+    bar = tqdm(total=len(mine) * NEW_TOKENS, disable=not progress, unit="tok", desc="generating")
+    rows = [torch.zeros(0, PREFIX_TOKENS + NEW_TOKENS, dtype=torch.long)]
+    for first in range(0, len(mine), GENERATION_BATCH):
+        batch = mine[first : first + GENERATION_BATCH].to(device)
         rows.append(greedy_continuations(target, batch, NEW_TOKENS).cpu())
         bar.update(len(batch) * NEW_TOKENS)
     bar.close()
-    return torch.cat(rows).numpy().astype(np.int32)
+    return distributed.gather_rows(torch.cat(rows).numpy().astype(np.int32))
 
 
 def generated_sequences(
@@ -202,8 +204,9 @@ def generated_sequences(
             )
         return sequences
     sequences = generate_sequences(target, tokens, n_tokens, seed, progress)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    np.save(path, sequences)
+    if distributed.is_main():
+        out_dir.mkdir(parents=True, exist_ok=True)
+        np.save(path, sequences)
     return sequences
 
 
@@ -246,6 +249,8 @@ def train_eagle3(
         head, ttt_loss(target, shape.unroll), tokens, out_dir, identity, config, progress, positions, on_start
     )
     head.eval()
+    if not distributed.is_main():
+        return out_dir
     if config.calibration_windows:
         log["calibration"] = calibrate_head(
             target, head, tokens, config.calibration_windows, config.seq_len, shape.unroll, config.seed
