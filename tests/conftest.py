@@ -295,7 +295,7 @@ def eagle3_head(steps: int = 200, draft_vocab: int = 200, layer_ids: tuple[int, 
     """A float64 head for `eagle3_target()` reading the inputs of `layer_ids`, trained for a few
     seconds with the training-time test loss on the target's generations: it agrees with the
     target often, not always."""
-    from specdecode.eagle3.train import HeadShape, draft_vocabulary, new_head, ttt_loss
+    from specdecode.train.eagle3 import HeadShape, draft_vocabulary, new_head, ttt_loss
     from specdecode.train.lm import sample_batch
 
     target = eagle3_target()

@@ -23,8 +23,6 @@ from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
 
 from specdecode import GenerationConfig, Pipeline, SamplingParams
 from specdecode.cli import main
-from specdecode.eagle3 import load_head, save_head
-from specdecode.eagle3.layouts import layer_reading
 from specdecode.export.engines import write_speculators
 from specdecode.export.gguf import (
     interleave_rows,
@@ -33,6 +31,8 @@ from specdecode.export.gguf import (
     write_head_gguf,
     write_model_gguf,
 )
+from specdecode.strategies.eagle3_checkpoint import load_head, save_head
+from specdecode.strategies.eagle3_layouts import layer_reading
 from specdecode.testing import perturbed_copy, save_model
 
 GREEDY = SamplingParams(temperature=0)
@@ -132,8 +132,8 @@ def test_generate_prints_the_reading_and_takes_the_override(zoo, tmp_path, capsy
 
 
 def test_training_refuses_ids_that_engines_would_shift():
-    from specdecode.eagle3.train import HeadShape
     from specdecode.errors import SpecdecodeError
+    from specdecode.train.eagle3 import HeadShape
 
     with pytest.raises(SpecdecodeError, match="ambiguous"):
         HeadShape(layer_ids=(1, 2, 3))

@@ -18,8 +18,8 @@ import torch
 from safetensors.torch import load_file
 
 from specdecode.cli import main
-from specdecode.eagle3.train import GENERATED_FILE
 from specdecode.testing import make_llama, make_tokenizer, save_model
+from specdecode.train.eagle3 import GENERATED_FILE
 
 FEW = [
     *("--batch-size", "4", "--seq-len", "32", "--warmup-steps", "1", "--precision", "fp32"),

@@ -19,14 +19,14 @@ from specdecode.backends import Backend
 from specdecode.backends.hf import LoadOptions
 from specdecode.backends.load import load_backend
 from specdecode.chain import Chain
-from specdecode.eagle3.checkpoint import load_head
-from specdecode.eagle3.head import Eagle3Head
 from specdecode.errors import SpecdecodeError
 from specdecode.generate import Generation, GenerationConfig
 from specdecode.policy import AdaptivePolicy, PolicyModels, check_policy
 from specdecode.sampling import Sampler, SamplingParams
 from specdecode.stats import GenerationStats
 from specdecode.strategies import DraftModelConfig, NgramSettings, SharedState, SpecSetup, build_strategies
+from specdecode.strategies.eagle3_checkpoint import load_head
+from specdecode.strategies.eagle3_head import Eagle3Head
 from specdecode.vocab import VocabTranslator, vocab_difference
 
 
@@ -61,7 +61,7 @@ class Pipeline:
         replacements: (target text, draft text) pairs; given (even empty), a draft whose
         vocabulary differs is used through text translation instead of being refused.
         shared: state to share with other pipelines (see `fork`); None makes the pipeline's own.
-        eagle3: a head loaded for this target (`specdecode.eagle3.load_head`).
+        eagle3: a head loaded for this target (`specdecode.strategies.eagle3_checkpoint.load_head`).
         spec_policy: "classic" (llama.cpp's fixed chain and p_min) or "adaptive" (each step
         drafts what maximises expected tokens per second, see `specdecode.policy`).
         policy_models: what the adaptive policy has learned, to share (None: new models whose

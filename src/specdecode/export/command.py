@@ -20,7 +20,6 @@ from pathlib import Path
 from specdecode.backends.hf import LoadOptions, load_model_config
 from specdecode.backends.load import load_backend
 from specdecode.defaults import resolve_eagle3, resolve_models
-from specdecode.eagle3.checkpoint import load_head
 from specdecode.errors import SpecdecodeError
 from specdecode.export.engines import (
     Served,
@@ -31,6 +30,7 @@ from specdecode.export.engines import (
     write_speculators,
 )
 from specdecode.export.gguf import TYPES, check_model_gguf, write_head_gguf, write_model_gguf
+from specdecode.strategies.eagle3_checkpoint import load_head
 
 ENGINES = ("vllm", "sglang", "llama.cpp")
 

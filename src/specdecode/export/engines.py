@@ -20,9 +20,9 @@ import torch
 from safetensors.torch import save_file
 from transformers import LlamaConfig
 
-from specdecode.eagle3.checkpoint import WEIGHTS, head_tensors, save_head
-from specdecode.eagle3.head import Eagle3Head
-from specdecode.eagle3.layouts import speculators_tensors
+from specdecode.strategies.eagle3_checkpoint import WEIGHTS, head_tensors, save_head
+from specdecode.strategies.eagle3_head import Eagle3Head
+from specdecode.strategies.eagle3_layouts import speculators_tensors
 
 SPECULATORS_VERSION = "0.9.0"  # the speculators release whose config classes validate this layout
 

@@ -27,8 +27,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
 from specdecode.backends import Backend, hidden_state_source
 from specdecode.backends.hf import check_model_directory, load_model_config, load_tokenizer
-from specdecode.eagle3.head import Eagle3Config, Eagle3Head
 from specdecode.errors import SpecdecodeError
+from specdecode.strategies.eagle3_head import Eagle3Config, Eagle3Head
 
 TYPES = {"f32": GGMLQuantizationType.F32, "f16": GGMLQuantizationType.F16, "bf16": GGMLQuantizationType.BF16}
 FILE_TYPES = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,

@@ -22,7 +22,10 @@ import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from specdecode.backends.hf import load_tokenizer
-from specdecode.eagle3.train import (
+from specdecode.errors import SpecdecodeError
+from specdecode.train import distributed
+from specdecode.train.corpus import corpus_files, encode_files, split_files, stdlib_root
+from specdecode.train.eagle3 import (
     EAGLE3_SHAPE,
     NEW_TOKENS,
     PREFIX_TOKENS,
@@ -30,9 +33,6 @@ from specdecode.eagle3.train import (
     calibrate_saved_head,
     train_eagle3,
 )
-from specdecode.errors import SpecdecodeError
-from specdecode.train import distributed
-from specdecode.train.corpus import corpus_files, encode_files, split_files, stdlib_root
 from specdecode.train.lm import DRAFT_SHAPE, TARGET_SHAPE, TrainConfig, train_draft, train_target
 from specdecode.train.tokenizer import train_tokenizer
 

@@ -26,8 +26,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from specdecode.backends import Backend, hidden_state_source
-from specdecode.eagle3.head import Eagle3Config, Eagle3Head
-from specdecode.eagle3.layouts import (
+from specdecode.errors import SpecdecodeError
+from specdecode.strategies.eagle3_head import Eagle3Config, Eagle3Head
+from specdecode.strategies.eagle3_layouts import (
     ORIGINAL,
     check_supported,
     flat_config,
@@ -35,7 +36,6 @@ from specdecode.eagle3.layouts import (
     layout_of,
     original_tensors,
 )
-from specdecode.errors import SpecdecodeError
 
 ARCHITECTURE = ORIGINAL
 WEIGHTS = "model.safetensors"

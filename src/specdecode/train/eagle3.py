@@ -40,12 +40,12 @@ from tqdm import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from specdecode.backends.hf import HFBackend, LoadOptions
-from specdecode.eagle3.calibrate import calibrate_head
-from specdecode.eagle3.checkpoint import check_fits, load_head, save_head
-from specdecode.eagle3.head import Eagle3Config, Eagle3Head, read_target, unrolled_states
-from specdecode.eagle3.layouts import default_layer_ids
 from specdecode.errors import SpecdecodeError
+from specdecode.strategies.eagle3_checkpoint import check_fits, load_head, save_head
+from specdecode.strategies.eagle3_head import Eagle3Config, Eagle3Head, read_target, unrolled_states
+from specdecode.strategies.eagle3_layouts import default_layer_ids
 from specdecode.train import distributed, lm
+from specdecode.train.calibrate_eagle3 import calibrate_head
 from specdecode.train.lm import LossFn, TrainConfig
 
 STEP_WEIGHT = 0.8  # weight of unroll step j: STEP_WEIGHT ** j
