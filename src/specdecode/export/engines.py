@@ -6,7 +6,7 @@ the original layout with launch flags; llama-server reads GGUF files (see `expor
 draft model is a Hugging Face directory already: every engine takes it as it is, so only its
 command lines are written. The layer ids written are inputs of target layers, the reading of
 vLLM and llama.cpp; SGLang reads them the same way unless the first id is 1, which training
-here refuses (see `eagle3.layouts`).
+here refuses (see `strategies.eagle3_layouts`).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""EAGLE-3 heads on disk, in either published layout (see `layouts`).
+"""EAGLE-3 heads on disk, in either published layout (see `eagle3_layouts`).
 
 `save_head` writes the original layout: `config.json` (a Llama config with "architectures":
 ["LlamaForCausalLMEagle3"], `draft_vocab_size`, and the target layers in
@@ -13,7 +13,7 @@ embeddings (which requires equal hidden sizes). `load_head` reads that layout an
 
 Layer ids written here name the residual-stream input to target layer l (the last layer's
 output before the final norm for l == n_layers), llama.cpp's and vLLM's reading; heads that
-name none get [2, L // 2, L - 3]. Read ids go through `layouts.layer_reading`.
+name none get [2, L // 2, L - 3]. Read ids go through `eagle3_layouts.layer_reading`.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ WEIGHTS = "model.safetensors"
 
 def config_from_json(raw: dict, layer_ids: tuple[int, ...], target_hidden: int, where: str) -> Eagle3Config:
     """The head's config from a flat (original-layout) config.json; the target's hidden size fills
-    what the file leaves out. layer_ids: the target layer inputs read (`layouts.layer_reading`)."""
+    what the file leaves out. layer_ids: the target layer inputs read (`eagle3_layouts.layer_reading`)."""
     try:
         hidden = int(raw["hidden_size"])
         heads = int(raw["num_attention_heads"])

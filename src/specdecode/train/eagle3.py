@@ -14,7 +14,7 @@ The head shares the target's embeddings (neither trained nor saved) and starts f
 target's final norm and the draft-vocabulary rows of its output head, so its output space
 means something from the first step. Loop, checkpoints, resumption, seeding and bf16
 autocast are `specdecode.train.lm`'s. The trained head's confidence is then calibrated (see
-`calibrate`), as a distilled draft's is; `calibrate_saved_head` does that alone for a head
+`calibrate_eagle3`), as a distilled draft's is; `calibrate_saved_head` does that alone for a head
 already on disk.
 
 Self-distillation (`generated_tokens` > 0, EAGLE's recipe): the head is trained, and
