@@ -95,12 +95,11 @@ def write_sglang(head: Eagle3Head, directory: Path) -> Path:
 
 @dataclass(frozen=True)
 class Served:
-    """What one engine needs to serve a target with a drafter: files written and a command line."""
+    """The command line that serves a target with a drafter in one engine."""
 
     engine: str
     drafter: str  # "eagle3" or "draft"
     command: list[str]
-    files: tuple[Path, ...] = ()
 
     def line(self) -> str:
         return shlex.join(self.command)
@@ -118,9 +117,7 @@ def vllm_commands(target: Path, drafter: str, model: Path, tokens: int, out: Pat
     path = out / f"speculative-config-{drafter}.json"
     path.write_text(json.dumps(spec, indent=2) + "\n")
     served = [
-        Served(
-            "vllm", drafter, ["vllm", "serve", str(target), "--speculative-config", json.dumps(spec)], (path,)
-        )
+        Served("vllm", drafter, ["vllm", "serve", str(target), "--speculative-config", json.dumps(spec)])
     ]
     if drafter == "eagle3":
         served.append(Served("vllm", drafter, ["vllm", "serve", str(model)]))
