@@ -300,3 +300,17 @@ def test_export_refuses_bad_input_and_writes_nothing(trio, tmp_path, capsys, ext
     err = capsys.readouterr().err
     assert message in err and len(err.splitlines()) == 1
     assert not out.exists()
+
+
+def test_a_head_reading_layer_1_is_not_exported_for_sglang(trio, tmp_path, capsys):
+    """Ids read with an offset of 0 from SpecForge's (1, 2, 3): SGLang would shift them again."""
+    target, _, _ = trio
+    head = save_head(eagle3_head(layer_ids=HIGH_LAYERS), tmp_path / "head")
+    rewrite_ids(head, [1, 2, 3])
+    argv = ["export", "-m", str(target), "-me", str(head), "--eagle3-layer-offset", "0"]
+    assert main([*argv, "--out", str(tmp_path / "out")]) == 2
+    assert "SGLang reads as SpecForge's" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+    assert main([*argv, "--out", str(tmp_path / "vllm"), "--engines", "vllm"]) == 0
+    config = json.loads((tmp_path / "vllm/vllm/eagle3/config.json").read_text())
+    assert config["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]  # vLLM reads them as they are

@@ -60,6 +60,11 @@ def run_export(args: argparse.Namespace) -> None:
         for directory in (target_dir, draft_dir):
             if directory is not None:
                 check_model_gguf(directory)
+    if "sglang" in engines and head is not None and head.config.target_layer_ids[0] == 1:
+        raise SpecdecodeError(
+            "the head reads the input of target layer 1, which SGLang reads as SpecForge's 'output of "
+            "layer 0' and shifts by one; export it for vllm and llama.cpp only (--engines)"
+        )
     if head is not None:
         print(f"note: {head.layer_note}", file=sys.stderr)
     architectures = list(getattr(load_model_config(target_dir), "architectures", None) or [])
