@@ -10,11 +10,15 @@ DEMO_PROMPT := import os\n\n\ndef read_lines(path):
 
 setup: $(VENV)/.installed
 
-# torch first, pinned: an unpinned torch would pull gigabytes of CUDA packages.
+# torch first, pinned: an unpinned torch would pull gigabytes of CUDA packages. Last, speculators
+# (vLLM's EAGLE-3 format; the tests read our exports with its config classes and model) without
+# its dependencies, which name torchvision and torchaudio (another torch); those its import
+# needs are in the dev extra.
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q --no-deps speculators==0.9.0 hs-connectors==0.9.0
 	touch $@
 
 # The bundled pair: a continuation with its speed and acceptance, then the quick benchmark.

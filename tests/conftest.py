@@ -291,16 +291,17 @@ def eagle3_corpus(n_sequences: int = 48, length: int = 40) -> np.ndarray:
 
 
 @functools.cache
-def eagle3_head(steps: int = 200, draft_vocab: int = 200):
-    """A float64 head for `eagle3_target()`, trained for a few seconds with the training-time
-    test loss on the target's generations: it agrees with the target often, not always."""
-    from specdecode.eagle3.train import HeadShape, draft_vocabulary, new_head, ttt_loss
+def eagle3_head(steps: int = 200, draft_vocab: int = 200, layer_ids: tuple[int, ...] = EAGLE3_LAYERS):
+    """A float64 head for `eagle3_target()` reading the inputs of `layer_ids`, trained for a few
+    seconds with the training-time test loss on the target's generations: it agrees with the
+    target often, not always."""
+    from specdecode.train.eagle3 import HeadShape, draft_vocabulary, new_head, ttt_loss
     from specdecode.train.lm import sample_batch
 
     target = eagle3_target()
     tokens = eagle3_corpus()
     shape = HeadShape(
-        heads=4, kv_heads=2, intermediate=64, draft_vocab=draft_vocab, unroll=3, layer_ids=EAGLE3_LAYERS
+        heads=4, kv_heads=2, intermediate=64, draft_vocab=draft_vocab, unroll=3, layer_ids=layer_ids
     )
     head = new_head(target, shape, draft_vocabulary(tokens, VOCAB_SIZE, draft_vocab), seed=0)
     loss_fn = ttt_loss(target, shape.unroll)

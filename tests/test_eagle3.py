@@ -36,11 +36,16 @@ from safetensors.torch import load_file, save_file
 from specdecode import DraftModelConfig, GenerationConfig, HFBackend, Pipeline, SamplingParams
 from specdecode.backends import hidden_state_source
 from specdecode.cli import main
-from specdecode.eagle3 import load_head, save_head
-from specdecode.eagle3 import train as eagle3_train
-from specdecode.eagle3.calibrate import agreement_sample, apply_scale, calibrate_head
-from specdecode.eagle3.head import HeadCache, read_target, unrolled_states
-from specdecode.eagle3.train import (
+from specdecode.errors import SpecdecodeError
+from specdecode.strategies import NgramMapConfig, NgramSettings
+from specdecode.strategies.eagle3 import Eagle3Strategy
+from specdecode.strategies.eagle3_checkpoint import load_head, save_head
+from specdecode.strategies.eagle3_head import HeadCache, read_target, unrolled_states
+from specdecode.testing import perturbed_copy, save_model
+from specdecode.train import eagle3 as eagle3_train
+from specdecode.train import lm
+from specdecode.train.calibrate_eagle3 import agreement_sample, apply_scale, calibrate_head
+from specdecode.train.eagle3 import (
     GENERATED_FILE,
     NEW_TOKENS,
     PREFIX_TOKENS,
@@ -52,11 +57,6 @@ from specdecode.eagle3.train import (
     train_eagle3,
     ttt_loss,
 )
-from specdecode.errors import SpecdecodeError
-from specdecode.strategies import NgramMapConfig, NgramSettings
-from specdecode.strategies.eagle3 import Eagle3Strategy
-from specdecode.testing import perturbed_copy, save_model
-from specdecode.train import lm
 from specdecode.train.lm import TrainConfig
 
 GREEDY = SamplingParams(temperature=0)

@@ -16,10 +16,10 @@ import torch
 from conftest import VOCAB_SIZE, eagle3_corpus, eagle3_head, eagle3_target
 
 from specdecode import DraftModelConfig, Sampler, SamplingParams
-from specdecode.eagle3.head import HeadCache, HeadTree
 from specdecode.sampling import distribution
 from specdecode.strategies.base import Draft
 from specdecode.strategies.eagle3 import Eagle3Strategy
+from specdecode.strategies.eagle3_head import HeadCache, HeadTree
 
 # wide sampling (no truncation): siblings are drawn from the whole draft vocabulary; the
 # penalty makes each node's distribution depend on the path above it

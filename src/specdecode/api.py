@@ -21,8 +21,6 @@ from specdecode.backends.gather import DraftPasses, GatheredBackend, GatheredHea
 from specdecode.backends.hf import LoadOptions
 from specdecode.backends.load import load_backend
 from specdecode.chain import Chain
-from specdecode.eagle3.checkpoint import load_head
-from specdecode.eagle3.head import Eagle3Head
 from specdecode.errors import SpecdecodeError
 from specdecode.generate import Chunk, Generation, GenerationConfig, check_room
 from specdecode.policy import AdaptivePolicy, PolicyModels, check_policy
@@ -30,6 +28,8 @@ from specdecode.sampling import Sampler, SamplingParams
 from specdecode.scheduler import BatchEngine, LoadRule
 from specdecode.stats import GenerationStats
 from specdecode.strategies import DraftModelConfig, NgramSettings, SharedState, SpecSetup, build_strategies
+from specdecode.strategies.eagle3_checkpoint import load_head
+from specdecode.strategies.eagle3_head import Eagle3Head
 from specdecode.vocab import VocabTranslator, vocab_difference
 
 
@@ -64,7 +64,7 @@ class Pipeline:
         replacements: (target text, draft text) pairs; given (even empty), a draft whose
         vocabulary differs is used through text translation instead of being refused.
         shared: state to share with other pipelines (see `fork`); None makes the pipeline's own.
-        eagle3: a head loaded for this target (`specdecode.eagle3.load_head`).
+        eagle3: a head loaded for this target (`specdecode.strategies.eagle3_checkpoint.load_head`).
         spec_policy: "classic" (llama.cpp's fixed chain and p_min) or "adaptive" (each step
         drafts what maximises expected tokens per second, see `specdecode.policy`).
         policy_models: what the adaptive policy has learned, to share (None: new models whose
@@ -101,13 +101,14 @@ class Pipeline:
         draft: str | Path | None = None,
         *,
         eagle3: str | Path | None = None,
+        eagle3_layer_offset: int | None = None,
         target_options: LoadOptions = LoadOptions(),
         draft_options: LoadOptions = LoadOptions(),
         **kwargs,
     ) -> Pipeline:
         target = load_backend(model, target_options)
         draft_backend = load_backend(draft, draft_options) if draft is not None else None
-        head = load_head(eagle3, target) if eagle3 is not None else None
+        head = load_head(eagle3, target, eagle3_layer_offset) if eagle3 is not None else None
         return cls(target, draft_backend, eagle3=head, **kwargs)
 
     def fork(self, draft_passes: DraftPasses | None = None) -> Pipeline:

@@ -23,6 +23,7 @@ from specdecode.bench import passes as bench_passes
 from specdecode.bench import serving as bench_serving
 from specdecode.defaults import resolve_eagle3, resolve_models
 from specdecode.errors import SpecdecodeError, read_text_file
+from specdecode.export.command import add_export_parser
 from specdecode.generate import GenerationConfig
 from specdecode.loadtest import add_loadtest_parser
 from specdecode.lookup import add_lookup_parser
@@ -70,6 +71,14 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
         type=Path,
         help="EAGLE-3 head directory (enables --spec-type eagle3; default with the bundled target: "
         "the bundled head)",
+    )
+    group.add_argument(
+        "--eagle3-layer-offset",
+        type=int,
+        metavar="N",
+        help="read the head's layer ids as the inputs of target layers id + N (default: the offset "
+        "the checkpoint's convention implies, printed at load: 0 for vLLM's and llama.cpp's, "
+        "1 for SpecForge's 'output of layer' ids)",
     )
     group.add_argument("-c", "--ctx-size", type=int, default=0, help="target context size (0: the model's)")
     group.add_argument(
@@ -279,10 +288,11 @@ def pipeline_from_args(args: argparse.Namespace) -> Pipeline:
     args.model, args.model_draft = resolve_models(args.model, args.model_draft)
     target_options, draft_options = load_options(args)
     needs_draft = spec_types is None or "draft" in spec_types
-    return Pipeline.load(
+    pipeline = Pipeline.load(
         args.model,
         args.model_draft if needs_draft else None,
         eagle3=head,
+        eagle3_layer_offset=args.eagle3_layer_offset,
         target_options=target_options,
         draft_options=draft_options,
         spec_types=spec_types,
@@ -291,6 +301,9 @@ def pipeline_from_args(args: argparse.Namespace) -> Pipeline:
         replacements=[tuple(pair) for pair in args.spec_replace] if args.spec_replace else None,
         spec_policy=args.spec_policy,
     )
+    if pipeline.eagle3 is not None:
+        print(f"note: {pipeline.eagle3.layer_note}", file=sys.stderr)
+    return pipeline
 
 
 def read_prompt(args: argparse.Namespace) -> str:
@@ -390,6 +403,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_loadtest_parser(commands)
     add_lookup_parser(commands)
     add_train_parser(commands)
+    add_export_parser(commands)
     add_eval_parser(commands)
     bench_drafting.add_bench_draft_parser(commands)
     bench_passes.add_bench_passes_parser(commands)
@@ -399,6 +413,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(argv) if argv is not None else sys.argv[1:]  # what `train --nproc` starts again
     hf_logging.disable_progress_bar()  # loading bars would bury the one line that matters
     try:
         args.handler(args)

@@ -26,10 +26,11 @@ from specdecode.bench.suite import Measurement, rounds, run_suite
 from specdecode.bench.systems import System, build_systems, draft_max_systems, system_names
 from specdecode.bench.tasks import TASK_NAMES, Task, build_tasks, custom_task
 from specdecode.defaults import resolve_eagle3, resolve_models
-from specdecode.eagle3 import Eagle3Head, load_head
 from specdecode.errors import SpecdecodeError, read_text_file
 from specdecode.generate import check_room
 from specdecode.strategies import DraftModelConfig, NgramSettings
+from specdecode.strategies.eagle3_checkpoint import load_head
+from specdecode.strategies.eagle3_head import Eagle3Head
 
 # (prompts per task, tokens per run, measured runs, warm-up rounds, --draft-max sweep)
 MODES = {

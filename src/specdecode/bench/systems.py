@@ -23,13 +23,13 @@ from transformers.utils import logging as hf_logging
 
 from specdecode.api import Pipeline
 from specdecode.backends.hf import HFBackend
-from specdecode.eagle3.head import Eagle3Head
 from specdecode.errors import SpecdecodeError
 from specdecode.generate import GenerationConfig
 from specdecode.policy import PolicyModels
 from specdecode.sampling import SamplingParams
 from specdecode.stats import GenerationStats
 from specdecode.strategies import PRIORITY, DraftModelConfig, NgramSettings
+from specdecode.strategies.eagle3_head import Eagle3Head
 
 GREEDY = SamplingParams(temperature=0)
 MODEL_FREE = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")

@@ -27,7 +27,7 @@ from specdecode.strategies.ngram_simple import NgramMapConfig, NgramSimpleStrate
 from specdecode.vocab import VocabTranslator
 
 if TYPE_CHECKING:
-    from specdecode.eagle3.head import Eagle3Head
+    from specdecode.strategies.eagle3_head import Eagle3Head
 
 PRIORITY = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache", "draft", "eagle3")
 

@@ -38,10 +38,10 @@ from typing import ClassVar
 import torch
 
 from specdecode.backends import Backend, common_prefix, hidden_state_source
-from specdecode.eagle3.head import Eagle3Head, HeadCache, HeadTree
 from specdecode.sampling import Sampler, distribution
 from specdecode.strategies.base import Draft, KeepDrafting, path_to
 from specdecode.strategies.draft_model import DraftModelConfig, continue_draft
+from specdecode.strategies.eagle3_head import Eagle3Head, HeadCache, HeadTree
 
 
 class Eagle3Strategy:

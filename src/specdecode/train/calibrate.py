@@ -14,7 +14,7 @@ teacher-forced windows of the training data — under the draft's top-1 probabil
 into the weight of the draft's final RMSNorm, which multiplies the logits exactly: the saved
 draft is a plain Llama, and its argmax, hence every greedy draft, is unchanged.
 
-The fit, the windows and the summary are shared with EAGLE-3 heads (`specdecode.eagle3.calibrate`),
+The fit, the windows and the summary are shared with EAGLE-3 heads (`specdecode.train.calibrate_eagle3`),
 whose drafting reads the same top-1 probability.
 """
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import fields
@@ -21,7 +22,10 @@ import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from specdecode.backends.hf import load_tokenizer
-from specdecode.eagle3.train import (
+from specdecode.errors import SpecdecodeError
+from specdecode.train import distributed
+from specdecode.train.corpus import corpus_files, encode_files, split_files, stdlib_root
+from specdecode.train.eagle3 import (
     EAGLE3_SHAPE,
     NEW_TOKENS,
     PREFIX_TOKENS,
@@ -29,8 +33,6 @@ from specdecode.eagle3.train import (
     calibrate_saved_head,
     train_eagle3,
 )
-from specdecode.errors import SpecdecodeError
-from specdecode.train.corpus import corpus_files, encode_files, split_files, stdlib_root
 from specdecode.train.lm import DRAFT_SHAPE, TARGET_SHAPE, TrainConfig, train_draft, train_target
 from specdecode.train.tokenizer import train_tokenizer
 
@@ -68,7 +70,9 @@ def keep_tokens(tokens: np.ndarray, args: argparse.Namespace) -> Callable[[], No
         cache = args.out / TOKENS_FILE
         if not cache.exists():
             args.out.mkdir(parents=True, exist_ok=True)
-            np.save(cache, tokens)
+            partial = cache.with_suffix(".partial.npy")
+            np.save(partial, tokens)
+            os.replace(partial, cache)  # other processes of the run may be reading it
 
     return keep
 
@@ -154,8 +158,39 @@ def _layer_ids(text: str | None) -> tuple[int, ...] | None:
         raise SpecdecodeError(f"--layer-ids takes comma-separated integers, not {text!r}") from None
 
 
+def distributed_entry(handler: Callable[[argparse.Namespace], None]) -> Callable[[argparse.Namespace], None]:
+    """`handler` in --nproc processes under torchrun (see `distributed`), or in this one."""
+
+    def run(args: argparse.Namespace) -> None:
+        if args.nproc < 1:
+            raise SpecdecodeError(f"--nproc must be >= 1, not {args.nproc}")
+        if args.nproc == 1 or distributed.launched():
+            try:
+                handler(args)
+            finally:
+                distributed.finish()
+            return
+        if getattr(args, "calibrate_only", False):
+            raise SpecdecodeError("--calibrate-only runs in one process (no --nproc)")
+        config = config_from_args(args)  # refused here, before any process starts
+        if config.batch_size % args.nproc:
+            raise SpecdecodeError(f"batch_size {config.batch_size} is not a multiple of --nproc {args.nproc}")
+        status = distributed.launch(args.nproc, args.argv)
+        if status:
+            raise SpecdecodeError(f"training in {args.nproc} processes failed (exit status {status})")
+
+    return run
+
+
 def add_training_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("training (defaults: TrainConfig)")
+    group.add_argument(
+        "--nproc",
+        type=int,
+        default=1,
+        help="data-parallel processes under torchrun (gloo on CPUs, NCCL with one GPU each); "
+        "--batch-size is the global batch (default 1)",
+    )
     group.add_argument("--data", type=Path, help="a text file or a directory of files (default: the stdlib)")
     for field in fields(TrainConfig):
         flag = "--" + field.name.replace("_", "-")
@@ -179,13 +214,13 @@ def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
     target.add_argument("--tokenizer", type=Path, required=True, help="tokenizer directory")
     target.add_argument("--out", type=Path, required=True, help="output model directory")
     add_training_args(target)
-    target.set_defaults(handler=run_target)
+    target.set_defaults(handler=distributed_entry(run_target))
 
     draft = commands.add_parser("draft", help="distill a small draft from any local target (resumes)")
     draft.add_argument("--target", type=Path, required=True, help="target model directory")
     draft.add_argument("--out", type=Path, required=True, help="output model directory")
     add_training_args(draft)
-    draft.set_defaults(handler=run_draft)
+    draft.set_defaults(handler=distributed_entry(run_draft))
 
     eagle3 = commands.add_parser(
         "eagle3", help="an EAGLE-3 head for any local target, with the training-time test (resumes)"
@@ -227,4 +262,4 @@ def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
         "not on the corpus (default 0: the corpus)",
     )
     add_training_args(eagle3)
-    eagle3.set_defaults(handler=run_eagle3)
+    eagle3.set_defaults(handler=distributed_entry(run_eagle3))

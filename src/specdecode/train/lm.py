@@ -41,6 +41,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
 from specdecode.backends.hf import HFBackend, LoadOptions
 from specdecode.errors import SpecdecodeError
+from specdecode.train import distributed
 from specdecode.train.calibrate import calibrate_draft
 
 HARD_LOSS_WEIGHT = 0.1  # share of plain next-token cross-entropy in the distillation loss
@@ -261,6 +262,8 @@ def train_loop(
     Returns the log: per-step losses of the whole run, the step resumed from, tokens/s."""
     if config.seq_len > max_positions:
         raise SpecdecodeError(f"seq_len {config.seq_len} exceeds the model's {max_positions} positions")
+    distributed.check_divides(config.batch_size)
+    main = distributed.is_main()
     path = out_dir / CHECKPOINT_FILE
     optimizer = _optimizer(model, config)
     state = _load_checkpoint(path, identity, config.steps)
@@ -268,21 +271,26 @@ def train_loop(
     if state:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
-    if on_start is not None:
+    if on_start is not None and main:
         on_start()
+    distributed.barrier()  # nothing is trained before rank 0 has checked and kept its inputs
     model.train()
-    bar = tqdm(total=config.steps, initial=start, disable=not progress, unit="step", dynamic_ncols=True)
+    bar = tqdm(
+        total=config.steps, initial=start, disable=not (progress and main), unit="step", dynamic_ncols=True
+    )
     smoothed, began = None, time.perf_counter()
     for step in range(start, config.steps):
-        losses.append(_step(model, optimizer, loss_fn, _batch_for_step(tokens, config, step), step, config))
+        batch = distributed.share(_batch_for_step(tokens, config, step))
+        losses.append(_step(model, optimizer, loss_fn, batch, step, config))
         smoothed = losses[-1] if smoothed is None else 0.95 * smoothed + 0.05 * losses[-1]
         rate = (step + 1 - start) * config.batch_size * config.seq_len / (time.perf_counter() - began)
         bar.set_postfix(loss=f"{smoothed:.3f}", tok_s=f"{rate:,.0f}")
         bar.update()
-        if (step + 1) % config.checkpoint_every == 0 or step + 1 == config.steps:
+        if main and ((step + 1) % config.checkpoint_every == 0 or step + 1 == config.steps):
             model_state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
             _save_checkpoint(path, {"identity": identity, "step": step + 1, "losses": losses, **model_state})
     bar.close()
+    distributed.barrier()  # the last checkpoint is whole before any process goes on
     return _run_log(identity, config, start, losses, time.perf_counter() - began)
 
 
@@ -306,7 +314,7 @@ def _step(
     step: int,
     config: TrainConfig,
 ) -> float:
-    """One optimizer step; returns its loss."""
+    """One optimizer step on this process's share of the batch; returns the global batch's loss."""
     device = next(model.parameters()).device
     for group in optimizer.param_groups:
         group["lr"] = _lr_at(step, config)
@@ -314,9 +322,10 @@ def _step(
         loss = loss_fn(model, batch.to(device))
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
+    distributed.average_gradients(model)
     torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
     optimizer.step()
-    return loss.item()
+    return distributed.mean(loss)
 
 
 def _save_result(
@@ -334,9 +343,11 @@ def write_log(out_dir: Path, log: dict) -> None:
 
 
 def prepare(config: TrainConfig) -> torch.device:
+    """The device to train on; under torchrun, joins the process group (and takes its own GPU)."""
     if config.threads:
         torch.set_num_threads(config.threads)
-    return _device(config)
+    device = _device(config)
+    return distributed.init(device.type) or device
 
 
 def _next_token_loss(model: LlamaForCausalLM, batch: torch.Tensor) -> torch.Tensor:
@@ -365,6 +376,8 @@ def train_target(
     log = train_loop(
         model, _next_token_loss, tokens, out_dir, identity, config, progress, shape.max_positions, on_start
     )
+    if not distributed.is_main():
+        return out_dir
     return _save_result(model, tokenizer, out_dir, log, config)
 
 
@@ -409,6 +422,8 @@ def train_draft(
     loss_fn = _distillation_loss(target, config.distill_temperature)
     positions = min(shape.max_positions, target.config.max_position_embeddings)
     log = train_loop(draft, loss_fn, tokens, out_dir, identity, config, progress, positions, on_start)
+    if not distributed.is_main():
+        return out_dir
     if config.calibration_windows:
         log["calibration"] = calibrate_draft(
             target, draft, tokens, config.calibration_windows, config.seq_len, config.seed

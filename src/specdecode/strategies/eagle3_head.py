@@ -9,7 +9,7 @@
 The pair at position p is (token at p+1, g at p): target features of position p with the
 token that followed it, predicting the token after that. Drafting further than the target
 has gone feeds h back as the next g (EAGLE's "own features"). `d2t` maps draft-vocabulary
-indices to target ids (absolute ids here; the files store offsets, see `checkpoint`).
+indices to target ids (absolute ids here; the files store offsets, see `eagle3_checkpoint`).
 
 Token trees (EAGLE-2 drafting) put scratch nodes after the cached true pairs (`HeadTree`):
 a node at depth d sits at position n + d - 1, like the d-th pair of a chain, and attends to
@@ -213,6 +213,8 @@ class Eagle3Head(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.arange(config.draft_vocab_size))  # draft index -> target id
+        # how the layer ids were chosen or read (`eagle3_checkpoint.load_head` says which convention)
+        self.layer_note = f"EAGLE-3 head reads target layer inputs {list(config.target_layer_ids)}"
         self.shares_embeddings = embeddings is not None
         if embeddings is None:
             self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)

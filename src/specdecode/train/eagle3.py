@@ -14,7 +14,7 @@ The head shares the target's embeddings (neither trained nor saved) and starts f
 target's final norm and the draft-vocabulary rows of its output head, so its output space
 means something from the first step. Loop, checkpoints, resumption, seeding and bf16
 autocast are `specdecode.train.lm`'s. The trained head's confidence is then calibrated (see
-`calibrate`), as a distilled draft's is; `calibrate_saved_head` does that alone for a head
+`calibrate_eagle3`), as a distilled draft's is; `calibrate_saved_head` does that alone for a head
 already on disk.
 
 Self-distillation (`generated_tokens` > 0, EAGLE's recipe): the head is trained, and
@@ -40,11 +40,12 @@ from tqdm import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from specdecode.backends.hf import HFBackend, LoadOptions
-from specdecode.eagle3.calibrate import calibrate_head
-from specdecode.eagle3.checkpoint import check_fits, default_layer_ids, load_head, save_head
-from specdecode.eagle3.head import Eagle3Config, Eagle3Head, read_target, unrolled_states
 from specdecode.errors import SpecdecodeError
-from specdecode.train import lm
+from specdecode.strategies.eagle3_checkpoint import check_fits, load_head, save_head
+from specdecode.strategies.eagle3_head import Eagle3Config, Eagle3Head, read_target, unrolled_states
+from specdecode.strategies.eagle3_layouts import default_layer_ids
+from specdecode.train import distributed, lm
+from specdecode.train.calibrate_eagle3 import calibrate_head
 from specdecode.train.lm import LossFn, TrainConfig
 
 STEP_WEIGHT = 0.8  # weight of unroll step j: STEP_WEIGHT ** j
@@ -68,6 +69,12 @@ class HeadShape:
     def __post_init__(self) -> None:
         if min(self.heads, self.kv_heads, self.intermediate, self.draft_vocab, self.unroll) < 1:
             raise SpecdecodeError(f"head sizes and unroll must be >= 1: {self}")
+        if self.layer_ids and self.layer_ids[0] == 1:
+            # SGLang and `load_head` read a first id of 1 as SpecForge's "output of layer 0"
+            raise SpecdecodeError(
+                "layer ids starting with 1 are ambiguous: engines read them as SpecForge's "
+                "'output of layer' ids and shift them by one; start with 0 or 2"
+            )
 
 
 EAGLE3_SHAPE = HeadShape()
@@ -170,14 +177,16 @@ def generate_sequences(
     starts = torch.randint(0, len(tokens) - PREFIX_TOKENS + 1, (count,), generator=generator).numpy()
     prefixes = torch.from_numpy(tokens[starts[:, None] + np.arange(PREFIX_TOKENS)].astype(np.int64))
     device = next(target.parameters()).device
-    bar = tqdm(total=count * NEW_TOKENS, disable=not progress, unit="tok", desc="generating")
-    rows = []
-    for first in range(0, count, GENERATION_BATCH):
-        batch = prefixes[first : first + GENERATION_BATCH].to(device)
+    rank, size = distributed.world()
+    mine = torch.tensor_split(prefixes, size)[rank]  # each process continues its share
+    bar = tqdm(total=len(mine) * NEW_TOKENS, disable=not progress, unit="tok", desc="generating")
+    rows = [torch.zeros(0, PREFIX_TOKENS + NEW_TOKENS, dtype=torch.long)]
+    for first in range(0, len(mine), GENERATION_BATCH):
+        batch = mine[first : first + GENERATION_BATCH].to(device)
         rows.append(greedy_continuations(target, batch, NEW_TOKENS).cpu())
         bar.update(len(batch) * NEW_TOKENS)
     bar.close()
-    return torch.cat(rows).numpy().astype(np.int32)
+    return distributed.gather_rows(torch.cat(rows).numpy().astype(np.int32))
 
 
 def generated_sequences(
@@ -195,8 +204,9 @@ def generated_sequences(
             )
         return sequences
     sequences = generate_sequences(target, tokens, n_tokens, seed, progress)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    np.save(path, sequences)
+    if distributed.is_main():
+        out_dir.mkdir(parents=True, exist_ok=True)
+        np.save(path, sequences)
     return sequences
 
 
@@ -239,6 +249,8 @@ def train_eagle3(
         head, ttt_loss(target, shape.unroll), tokens, out_dir, identity, config, progress, positions, on_start
     )
     head.eval()
+    if not distributed.is_main():
+        return out_dir
     if config.calibration_windows:
         log["calibration"] = calibrate_head(
             target, head, tokens, config.calibration_windows, config.seq_len, shape.unroll, config.seed

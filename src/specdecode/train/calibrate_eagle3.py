@@ -22,8 +22,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from specdecode.eagle3.head import Eagle3Head, read_target, unrolled_states
 from specdecode.strategies.draft_model import CONFIDENCE_TOP_K
+from specdecode.strategies.eagle3_head import Eagle3Head, read_target, unrolled_states
 from specdecode.train.calibrate import fit_scale, sample_windows, summary
 
 

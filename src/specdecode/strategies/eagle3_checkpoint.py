@@ -1,6 +1,6 @@
-"""EAGLE-3 heads on disk, in the Hugging Face layout published heads use.
+"""EAGLE-3 heads on disk, in either published layout (see `eagle3_layouts`).
 
-A directory holds `config.json` (a Llama config with "architectures":
+`save_head` writes the original layout: `config.json` (a Llama config with "architectures":
 ["LlamaForCausalLMEagle3"], `draft_vocab_size`, and the target layers in
 `eagle_config.eagle_aux_hidden_state_layer_ids`; `target_hidden_size` when it differs from
 `hidden_size`) and `model.safetensors` with `fc.weight`, `midlayer.*` (self_attn q/k/v/o_proj,
@@ -8,11 +8,12 @@ mlp gate/up/down_proj, input_layernorm, hidden_norm, post_attention_layernorm), 
 `lm_head.weight`, and `d2t` / `t2d` when the draft vocabulary is reduced. `d2t[i]` is an
 offset: draft index i stands for target id i + d2t[i]; `t2d` marks the target ids kept.
 `embed_tokens.weight` is optional: without it the head embeds tokens with the target's
-embeddings (which requires equal hidden sizes).
+embeddings (which requires equal hidden sizes). `load_head` reads that layout and the
+`speculators` one.
 
-Layer ids name the residual-stream input to target layer l (the last layer's output before
-the final norm for l == n_layers), llama.cpp's reading; heads that name none get
-[2, L // 2, L - 3].
+Layer ids written here name the residual-stream input to target layer l (the last layer's
+output before the final norm for l == n_layers), llama.cpp's and vLLM's reading; heads that
+name none get [2, L // 2, L - 3]. Read ids go through `eagle3_layouts.layer_reading`.
 """
 
 from __future__ import annotations
@@ -25,21 +26,24 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from specdecode.backends import Backend, hidden_state_source
-from specdecode.eagle3.head import Eagle3Config, Eagle3Head
 from specdecode.errors import SpecdecodeError
+from specdecode.strategies.eagle3_head import Eagle3Config, Eagle3Head
+from specdecode.strategies.eagle3_layouts import (
+    ORIGINAL,
+    check_supported,
+    flat_config,
+    layer_reading,
+    layout_of,
+    original_tensors,
+)
 
-ARCHITECTURE = "LlamaForCausalLMEagle3"
+ARCHITECTURE = ORIGINAL
 WEIGHTS = "model.safetensors"
-LAYER_KEYS = ("eagle_aux_hidden_state_layer_ids", "target_layer_ids", "aux_hidden_state_layer_ids")
 
 
-def default_layer_ids(n_layers: int) -> tuple[int, int, int]:
-    """vLLM's and llama.cpp's choice: a low, a middle and a high layer."""
-    return (2, n_layers // 2, n_layers - 3)
-
-
-def config_from_json(raw: dict, target_layers: int, target_hidden: int, where: str) -> Eagle3Config:
-    """The head's config from config.json; target facts fill what the file leaves out."""
+def config_from_json(raw: dict, layer_ids: tuple[int, ...], target_hidden: int, where: str) -> Eagle3Config:
+    """The head's config from a flat (original-layout) config.json; the target's hidden size fills
+    what the file leaves out. layer_ids: the target layer inputs read (`eagle3_layouts.layer_reading`)."""
     try:
         hidden = int(raw["hidden_size"])
         heads = int(raw["num_attention_heads"])
@@ -47,11 +51,6 @@ def config_from_json(raw: dict, target_layers: int, target_hidden: int, where: s
         intermediate = int(raw["intermediate_size"])
     except (KeyError, TypeError, ValueError) as exc:
         raise SpecdecodeError(f"{where}: config.json lacks a usable {exc} (not an EAGLE-3 head?)") from None
-    nested = raw.get("eagle_config") or {}
-    layer_ids = next((src[k] for src in (nested, raw) for k in LAYER_KEYS if src.get(k) is not None), None)
-    layer_ids = (
-        tuple(int(x) for x in layer_ids) if layer_ids is not None else default_layer_ids(target_layers)
-    )
     rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     return Eagle3Config(
         hidden_size=hidden,
@@ -145,8 +144,10 @@ def expected_shapes(config: Eagle3Config) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def load_head(directory: str | Path, target: Backend) -> Eagle3Head:
-    """Read an EAGLE-3 head and check it against `target`; it runs in the target's dtype and device."""
+def load_head(directory: str | Path, target: Backend, layer_offset: int | None = None) -> Eagle3Head:
+    """Read an EAGLE-3 head in either layout and check it against `target`; it runs in the
+    target's dtype and device. layer_offset: added to the stored layer ids instead of the offset
+    their convention implies. `head.layer_note` says how the ids were read."""
     directory = Path(directory)
     source = hidden_state_source(target, "an EAGLE-3 head")
     where = f"EAGLE-3 head {directory}"
@@ -158,9 +159,14 @@ def load_head(directory: str | Path, target: Backend) -> Eagle3Head:
         tensors = load_file(weights_path)
     except (OSError, ValueError, SafetensorError) as exc:
         raise SpecdecodeError(f"{where}: cannot read it: {exc}") from None
-    config = config_from_json(raw, source.n_layers, source.hidden_size, where)
+    if not isinstance(raw, dict):
+        raise SpecdecodeError(f"{where}: config.json is not a JSON object")
+    check_supported(raw, where)
+    reading = layer_reading(raw, layer_offset)
+    layer_ids = reading.ids(source.n_layers)
+    config = config_from_json(flat_config(raw, where), layer_ids, source.hidden_size, where)
     check_fits(config, source.n_layers, source.hidden_size, target.vocab.size, where)
-    tensors = {name.removeprefix("model."): t for name, t in tensors.items()}
+    tensors = original_tensors(tensors, layout_of(raw))
     shapes = expected_shapes(config)
     missing = sorted(set(shapes) - set(tensors))
     if missing:
@@ -186,6 +192,7 @@ def load_head(directory: str | Path, target: Backend) -> Eagle3Head:
         state["embed_tokens.weight"] = own
     state["d2t"] = _absolute_ids(tensors.get("d2t"), config, where)
     head.load_state_dict(state, strict=True)
+    head.layer_note = reading.describe(source.n_layers)
     return head.to(device=embeddings.device, dtype=embeddings.dtype).eval().requires_grad_(False)
 
 
@@ -203,6 +210,13 @@ def save_head(head: Eagle3Head, directory: str | Path, dtype: torch.dtype = torc
     """Write config.json and model.safetensors (floating tensors in `dtype`)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
+    save_file(head_tensors(head, dtype), directory / WEIGHTS, metadata={"format": "pt"})
+    (directory / "config.json").write_text(json.dumps(config_to_json(head.config), indent=2) + "\n")
+    return directory
+
+
+def head_tensors(head: Eagle3Head, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The original layout's tensors, on the CPU: floating ones in `dtype`, d2t as offsets."""
     config = head.config
     tensors: dict[str, torch.Tensor] = {}
     for name, value in head.state_dict().items():
@@ -214,6 +228,4 @@ def save_head(head: Eagle3Head, directory: str | Path, dtype: torch.dtype = torc
     t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
     t2d[ids] = True
     tensors["t2d"] = t2d
-    save_file(tensors, directory / WEIGHTS, metadata={"format": "pt"})
-    (directory / "config.json").write_text(json.dumps(config_to_json(config), indent=2) + "\n")
-    return directory
+    return tensors

@@ -1,0 +1,140 @@
+"""`specdecode export`: the target with its draft and EAGLE-3 head, ready for vLLM, SGLang and
+llama.cpp, with the command line that serves each pair in each engine.
+
+    OUT/vllm/eagle3/                          speculators directory (`vllm serve OUT/vllm/eagle3`)
+    OUT/vllm/speculative-config-{eagle3,draft}.json
+    OUT/sglang/eagle3/                        the original EAGLE-3 layout
+    OUT/llama.cpp/{target,draft,eagle3}.gguf
+    OUT/commands.txt                          the lines printed
+
+Every input is read and checked (the head against the target) before anything is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from specdecode.backends.hf import LoadOptions, load_model_config
+from specdecode.backends.load import load_backend
+from specdecode.defaults import resolve_eagle3, resolve_models
+from specdecode.errors import SpecdecodeError
+from specdecode.export.engines import (
+    Served,
+    llama_server_command,
+    sglang_command,
+    vllm_commands,
+    write_sglang,
+    write_speculators,
+)
+from specdecode.export.gguf import TYPES, check_model_gguf, write_head_gguf, write_model_gguf
+from specdecode.strategies.eagle3_checkpoint import load_head
+
+ENGINES = ("vllm", "sglang", "llama.cpp")
+
+
+def parse_engines(text: str) -> list[str]:
+    engines = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in engines if name not in ENGINES]
+    if unknown or not engines:
+        raise SpecdecodeError(
+            f"--engines takes a comma-separated subset of {', '.join(ENGINES)}, not {text!r}"
+        )
+    return engines
+
+
+def run_export(args: argparse.Namespace) -> None:
+    engines = parse_engines(args.engines)
+    if args.draft_max < 1:
+        raise SpecdecodeError(f"--draft-max must be >= 1, not {args.draft_max}")
+    head_dir = resolve_eagle3(args.model, args.model_eagle3)
+    target_dir, draft_dir = resolve_models(args.model, args.model_draft)
+    target_dir, draft_dir = target_dir.resolve(), draft_dir.resolve() if draft_dir else None
+    target = load_backend(target_dir, LoadOptions(dtype="float32", backend="hf"))
+    head = load_head(head_dir, target, args.eagle3_layer_offset) if head_dir is not None else None
+    if draft_dir is not None:
+        load_backend(draft_dir, LoadOptions(dtype="float32", backend="hf"))  # refused here if unusable
+    if "llama.cpp" in engines:
+        for directory in (target_dir, draft_dir):
+            if directory is not None:
+                check_model_gguf(directory)
+    if "sglang" in engines and head is not None and head.config.target_layer_ids[0] == 1:
+        raise SpecdecodeError(
+            "the head reads the input of target layer 1, which SGLang reads as SpecForge's 'output of "
+            "layer 0' and shifts by one; export it for vllm and llama.cpp only (--engines)"
+        )
+    if head is not None:
+        print(f"note: {head.layer_note}", file=sys.stderr)
+    architectures = list(getattr(load_model_config(target_dir), "architectures", None) or [])
+    out: Path = args.out.resolve()
+    k = args.draft_max
+    served: list[Served] = []
+    if "vllm" in engines:
+        (out / "vllm").mkdir(parents=True, exist_ok=True)
+        if head is not None:
+            speculators = write_speculators(head, out / "vllm" / "eagle3", str(target_dir), architectures, k)
+            served += vllm_commands(target_dir, "eagle3", speculators, k, out / "vllm")
+        if draft_dir is not None:
+            served += vllm_commands(target_dir, "draft", draft_dir, k, out / "vllm")
+    if "sglang" in engines:
+        if head is not None:
+            served.append(
+                sglang_command(target_dir, "eagle3", write_sglang(head, out / "sglang" / "eagle3"), k)
+            )
+        if draft_dir is not None:
+            served.append(sglang_command(target_dir, "draft", draft_dir, k))
+    if "llama.cpp" in engines:
+        gguf_dir = out / "llama.cpp"
+        target_gguf = write_model_gguf(target_dir, gguf_dir / "target.gguf", args.gguf_type)
+        if head is not None:
+            head_gguf = write_head_gguf(head, target_dir, gguf_dir / "eagle3.gguf", args.gguf_type)
+            served.append(llama_server_command(target_gguf, "eagle3", head_gguf, k))
+        if draft_dir is not None:
+            draft_gguf = write_model_gguf(draft_dir, gguf_dir / "draft.gguf", args.gguf_type)
+            served.append(llama_server_command(target_gguf, "draft", draft_gguf, k))
+    lines = [f"# {s.engine}, {s.drafter}\n{s.line()}" for s in served]
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "commands.txt").write_text("\n".join(lines) + "\n")
+    if args.json:
+        print(json.dumps([{"engine": s.engine, "drafter": s.drafter, "command": s.command} for s in served]))
+    else:
+        print("\n".join(lines))
+    print(f"exported to {out}", file=sys.stderr)
+
+
+def add_export_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "export",
+        help="the target with its draft and EAGLE-3 head for vLLM, SGLang and llama.cpp, and the commands "
+        "that serve them",
+    )
+    parser.add_argument("-m", "--model", type=Path, help="target directory (default: the bundled pair)")
+    parser.add_argument("-md", "--model-draft", type=Path, help="draft model directory")
+    parser.add_argument(
+        "-me",
+        "--model-eagle3",
+        type=Path,
+        help="EAGLE-3 head directory (default with the bundled target: its head)",
+    )
+    parser.add_argument("--out", type=Path, required=True, help="output directory")
+    parser.add_argument(
+        "--engines",
+        default=",".join(ENGINES),
+        help=f"comma-separated, from {', '.join(ENGINES)} (default: all)",
+    )
+    parser.add_argument(
+        "--draft-max", type=int, default=3, help="tokens drafted per step in the commands written (default 3)"
+    )
+    parser.add_argument(
+        "--gguf-type", choices=list(TYPES), default="f32", help="GGUF weight type (default f32)"
+    )
+    parser.add_argument(
+        "--eagle3-layer-offset",
+        type=int,
+        metavar="N",
+        help="as for generate: how the head's layer ids are read",
+    )
+    parser.add_argument("--json", action="store_true", help="print the commands as JSON")
+    parser.set_defaults(handler=run_export)
