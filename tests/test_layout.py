@@ -1,6 +1,6 @@
 """The import graph runs one way: tools above the runtime, and the runtime's floors in order.
 
-cli -> tools (train, bench, export, lookup, loadtest) and server -> api -> generate -> chain
+cli -> tools (train, bench, export, lookup, loadtest) and server -> api -> scheduler -> generate -> chain
 -> strategies -> backends. Read from the source with `ast`, so a lazy import inside a function
 counts as much as one at the top of a module.
 """
@@ -17,7 +17,7 @@ import specdecode
 
 PACKAGE = Path(specdecode.__file__).parent
 ABOVE_RUNTIME = ("cli", "server", "train", "bench", "export", "lookup", "loadtest", "testing")
-FLOORS = ("backends", "strategies", "chain", "generate", "api")  # each imports only floors below
+FLOORS = ("backends", "strategies", "chain", "generate", "scheduler", "api")  # each imports only floors below
 
 
 @functools.cache
