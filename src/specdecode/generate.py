@@ -9,6 +9,10 @@ in it. A step scores `last` and the draft's nodes in one pass: a chain as the ro
 [last, d0, ..., d(k-1)] at positions len(history)..., then keeps positions
 < len(history) + 1 + n_accepted; a tree as a tree pass rooted at `last`, then commits the
 accepted path. Verification walks either from the root, so the loop treats both alike.
+
+Under a constraint (`specdecode.constraints`) every logits row is masked with the grammar's
+state before the sampler reads it, in plain and speculative steps alike, and each emitted
+token advances that state; a complete grammar ends the generation ("grammar").
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from dataclasses import dataclass, field
 
 from specdecode.backends import Backend, evaluate_continuation
 from specdecode.chain import Chain
+from specdecode.constraints import Constraint
 from specdecode.errors import SpecdecodeError
 from specdecode.sampling import Sampler
 from specdecode.stats import GenerationStats
@@ -65,6 +70,7 @@ class Generation:
     prompt: list[int]
     tokens: list[int] = field(default_factory=list)
     stats: GenerationStats = field(default_factory=GenerationStats)
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         check_room(self.prompt, self.config.n_predict, self.target.n_ctx)
@@ -84,6 +90,8 @@ class Generation:
         self.stats.t_prompt = time.perf_counter() - start
         history = list(self.prompt)
         try:
+            if self.constraint is not None:
+                logits = self.constraint.mask(logits)
             yield self._emit([self.sampler.sample(logits, history)], Draft(), 0)
             while not self.stats.stop_reason:
                 chunk = self._step(history)
@@ -91,6 +99,8 @@ class Generation:
                     yield chunk
         finally:  # also when the consumer stops early (a client gone): strategies still persist
             self.stats.t_generation = time.perf_counter() - start - self.stats.t_prompt
+            if self.constraint is not None:
+                self.stats.t_grammar, self.stats.n_masks = self.constraint.t_mask, self.constraint.n_masks
             self.stats.stop_reason = self.stats.stop_reason or "abandoned"
             self.chain.end()
 
@@ -108,6 +118,8 @@ class Generation:
         self.target.truncate(len(history))
         logits = self._score(last, draft)  # [N+1, V]
         t_pass = time.perf_counter() - t1
+        if self.constraint is not None:
+            logits = self.constraint.mask_rows(draft, logits)
         verdict = self._verify(draft, logits, [*history, last])
         self._keep(history, last, draft, verdict.path)
         self.stats.t_draft += t1 - t0
@@ -138,7 +150,9 @@ class Generation:
 
     def _verify(self, draft: Draft, logits, context: Sequence[int]) -> Verdict:
         """context: every token before the first verified position (history + [last])."""
-        eog = frozenset() if self.config.ignore_eos else self.target.vocab.eog_ids
+        # Under a grammar, end of generation is the grammar's to allow: it ends the step.
+        ignore_eos = self.config.ignore_eos and self.constraint is None
+        eog = frozenset() if ignore_eos else self.target.vocab.eog_ids
         if self.config.verify == "rejection":
             return verify_rejection(draft, logits, self.sampler, context, eog)
         return verify_match(draft, logits, self.sampler, context, eog)
@@ -152,6 +166,8 @@ class Generation:
             self.tokens.append(token)
             self.stats.n_generated += 1
             text += self._text.push(token)
+            if self.constraint is not None:
+                self.constraint.advance(token)
             self.stats.stop_reason = self._stop_reason(token)
             if self.stats.stop_reason:
                 text += self._text.finish()
@@ -159,8 +175,10 @@ class Generation:
         return Chunk(kept, text, len(draft.tokens), n_accepted, draft.strategy)
 
     def _stop_reason(self, token: int) -> str:
-        if token in self.target.vocab.eog_ids and not self.config.ignore_eos:
+        if token in self.target.vocab.eog_ids and (not self.config.ignore_eos or self.constraint is not None):
             return "eos"
+        if self.constraint is not None and self.constraint.stopped:
+            return "grammar"
         if self._text.stopped:
             return "stop string"
         if self._remaining() <= 0:

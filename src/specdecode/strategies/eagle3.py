@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
@@ -43,15 +43,25 @@ from specdecode.sampling import Sampler, distribution
 from specdecode.strategies.base import Draft, KeepDrafting, path_to
 from specdecode.strategies.draft_model import DraftModelConfig, continue_draft
 
+if TYPE_CHECKING:
+    from specdecode.constraints import Constraint
+
 
 class Eagle3Strategy:
     name: ClassVar[str] = "eagle3"
 
     def __init__(
-        self, head: Eagle3Head, target: Backend, config: DraftModelConfig, sampler: Sampler | None = None
+        self,
+        head: Eagle3Head,
+        target: Backend,
+        config: DraftModelConfig,
+        sampler: Sampler | None = None,
+        constraint: Constraint | None = None,
     ) -> None:
-        """sampler: given for rejection verification at temperature > 0 (draft by sampling)."""
+        """sampler: given for rejection verification at temperature > 0 (draft by sampling).
+        constraint: the generation's, whose masks a chain draft takes."""
         self.head = head
+        self.constraint = constraint
         self.target = hidden_state_source(target, "--spec-type eagle3")
         self.target.capture_hidden(head.config.target_layer_ids)
         self.config = config
@@ -87,15 +97,27 @@ class Eagle3Strategy:
             return self._draft_tree(h, logits, context, n_max)
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
-        while len(tokens) < n_max and continue_draft(
-            self.keep_drafting, len(tokens) + 1, logits, self.config.p_min
-        ):
-            token, row = self._pick(logits, [*context, *tokens])
-            tokens.append(token)
-            rows.append(row)
-            if len(tokens) < n_max:
-                h = self.head.step([token], h[None], n + len(tokens) - 1, self.cache)[-1]
-                logits = self.head.target_logits(h)
+        constraint = self.constraint
+        try:
+            while len(tokens) < n_max:
+                if constraint is not None and (logits := constraint.draft_logits(logits)) is None:
+                    break  # the grammar is complete
+                # Every token the grammar allows may lie outside the head's vocabulary: no draft.
+                if not bool(torch.isfinite(logits).any()) or not continue_draft(
+                    self.keep_drafting, len(tokens) + 1, logits, self.config.p_min
+                ):
+                    break
+                token, row = self._pick(logits, [*context, *tokens])
+                tokens.append(token)
+                rows.append(row)
+                if constraint is not None:
+                    constraint.push(token)
+                if len(tokens) < n_max:
+                    h = self.head.step([token], h[None], n + len(tokens) - 1, self.cache)[-1]
+                    logits = self.head.target_logits(h)
+        finally:
+            if constraint is not None:
+                constraint.rewind()
         if len(tokens) < self.n_min:
             return Draft()
         return Draft(tokens, torch.stack(rows) if tokens and self.sampler is not None else None)
