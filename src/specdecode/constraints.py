@@ -78,10 +78,11 @@ class ConstraintSpec:
                 # Compact JSON (", " and ": " between items, no other whitespace) unless the
                 # schema's own "x-guidance" options say otherwise.
                 return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+            # GBNF's converter reports a bad grammar with any exception (a bare Exception included).
             return llguidance.LLMatcher.grammar_from_lark(any_to_lark(self.text))
         except SpecdecodeError:
             raise
-        except (ValueError, TypeError, AssertionError) as exc:
+        except Exception as exc:
             raise SpecdecodeError(f"invalid {self.kind.replace('_', ' ')}: {exc}") from exc
 
 
