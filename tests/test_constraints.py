@@ -90,9 +90,7 @@ def check_output(name: str, text: str, stop_reason: str) -> None:
         assert re.fullmatch(FULL_MATCH[name], text), text
 
 
-def run_pair(
-    spec_types, sampling, name, prompt, *, verify="match", draft_config=DraftModelConfig(), kind=0.02
-):
+def run_pair(spec_types, sampling, name, prompt, *, verify="match", draft_config=None, kind=0.02):
     target_spec = TargetSpec()
     config = GenerationConfig(n_predict=48, verify=verify)
     constraint = CONSTRAINTS[name]
@@ -101,7 +99,7 @@ def run_pair(
         backend(target_model(target_spec)),
         backend(draft_model(target_spec, kind)),
         spec_types=spec_types,
-        draft_config=draft_config,
+        draft_config=draft_config or DraftModelConfig(),
     )
     spec = pipe.generate(prompt, sampling, config, constraint)
     return spec, plain
@@ -179,14 +177,14 @@ def test_constrained_eagle3_equals_plain(exactness_log, name, temperature) -> No
     exactness_log.record("constrained/eagle3", f"head {name}", spec.stats, spec.stats.stop_reason)
 
 
-def test_rejection_verification_keeps_outputs_valid(exactness_log) -> None:
+def test_rejection_verification_keeps_outputs_valid() -> None:
     """Rejection sampling under a grammar: the draft samples from its masked distribution, so
     every emitted token is allowed and finished outputs validate."""
     for seed in range(6):
         sampling = SamplingParams(temperature=1.0, seed=seed)
-        spec, plain = run_pair(["draft"], sampling, "call", "{", verify="rejection")
-        check_output("call", spec.text, spec.stats.stop_reason)
-        assert spec.stats.stop_reason in ("grammar", "n_predict")
+        for result in run_pair(["draft"], sampling, "call", "{", verify="rejection"):
+            check_output("call", result.text, result.stats.stop_reason)
+            assert result.stats.stop_reason in ("grammar", "n_predict")
 
 
 def test_forced_tokens_cost_one_pass() -> None:
@@ -255,3 +253,34 @@ def test_bad_constraints_are_refused(kind, text, message) -> None:
 def test_unknown_kind_is_refused() -> None:
     with pytest.raises(SpecdecodeError, match="unknown constraint kind"):
         ConstraintSpec("xml", "<a/>")
+
+
+def test_cli_constrained_generation(tmp_path, saved_model_dir, capsys) -> None:
+    """--json-schema, --grammar and --regex through the command line; bad ones exit 2."""
+    from specdecode.cli import main
+
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps(CALL))
+    grammar = tmp_path / "list.gbnf"
+    grammar.write_text(CONSTRAINTS["gbnf-list"].text)
+    base = ["generate", "-m", str(saved_model_dir), "-p", "x", "-n", "60", "--temp", "0", "--json"]
+    for flags, name in (
+        (["--json-schema", str(schema)], "call"),
+        (["--grammar", str(grammar)], "gbnf-list"),
+        (["--regex", FULL_MATCH["regex-words"]], "regex-words"),
+    ):
+        assert main([*base, *flags, "--spec-type", "forced"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        check_output(name, out["text"], out["stats"]["stop_reason"])
+    bad = tmp_path / "bad.gbnf"
+    bad.write_text("root ::= foo\n")
+    for flags in (
+        ["--grammar", str(bad)],
+        ["--regex", "[a-"],
+        ["--json-schema", str(tmp_path / "none.json")],
+    ):
+        assert main([*base, *flags]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1
+    assert main([*base, "--spec-type", "forced"]) == 2
+    assert "drafts what a grammar forces" in capsys.readouterr().err

@@ -83,7 +83,12 @@ class ConstraintSpec:
         except SpecdecodeError:
             raise
         except Exception as exc:
-            raise SpecdecodeError(f"invalid {self.kind.replace('_', ' ')}: {exc}") from exc
+            raise SpecdecodeError(f"invalid {self.kind.replace('_', ' ')}: {one_line(str(exc))}") from exc
+
+
+def one_line(message: str) -> str:
+    """An engine's multi-line message (with its caret drawings) as one line."""
+    return " ".join(message.split())
 
 
 # One llguidance tokenizer per Hugging Face tokenizer object: building one reads the whole
@@ -110,7 +115,7 @@ def compile_constraint(spec: ConstraintSpec, tokenizer: llguidance.LLTokenizer) 
     grammar = spec.grammar()
     error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
     if error and not error.startswith("WARNING"):
-        raise SpecdecodeError(f"invalid {spec.kind.replace('_', ' ')}: {error.strip()}")
+        raise SpecdecodeError(f"invalid {spec.kind.replace('_', ' ')}: {one_line(error)}")
     return grammar
 
 
@@ -124,7 +129,7 @@ class Constraint:
         """grammar: from `compile_constraint`; vocab_size: rows of the target's logits."""
         self._matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
         if self._matcher.is_error():
-            raise SpecdecodeError(f"invalid grammar: {self._matcher.get_error().strip()}")
+            raise SpecdecodeError(f"invalid grammar: {one_line(self._matcher.get_error())}")
         self.vocab_size = vocab_size
         self._path: list[int] = []  # scratch tokens pushed on the committed state
         self._masks: dict[tuple[int, ...], torch.Tensor | None] = {}  # scratch path -> allowed [V]
