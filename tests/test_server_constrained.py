@@ -33,7 +33,7 @@ def pipeline(spec_types: list[str]) -> Pipeline:
         HFBackend(target_model(SPEC), tokenizer),
         HFBackend(draft_model(SPEC, 0.1), tokenizer),
         spec_types=spec_types,
-        draft_config=DraftModelConfig(n_max=8, p_min=0.0),
+        draft_config=DraftModelConfig(n_max=4, p_min=0.5),
     )
 
 
@@ -146,9 +146,7 @@ def test_server_answers_as_constrained_plain_generation(client) -> None:
         schema = random_object_schema(rng)
         path, body, where = request(rng, schema, index)
         text, _ = answer_text(client.post(path, json=body).json(), where)
-        if path == "/completion":
-            prompt = body["prompt"]
-        elif path == "/v1/completions":
+        if path == "/completion" or path == "/v1/completions":
             prompt = body["prompt"]
         else:
             prompt = "user: Answer in JSON.\nassistant:"

@@ -18,6 +18,7 @@ from specdecode.api import Pipeline
 from specdecode.backends.hf import DTYPES, LoadOptions
 from specdecode.backends.load import BACKENDS
 from specdecode.bench import command as bench_command
+from specdecode.bench import constrained as bench_constrained
 from specdecode.bench import drafting as bench_drafting
 from specdecode.bench import passes as bench_passes
 from specdecode.constraints import ConstraintSpec
@@ -427,6 +428,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_eval_parser(commands)
     bench_drafting.add_bench_draft_parser(commands)
     bench_passes.add_bench_passes_parser(commands)
+    bench_constrained.add_bench_constrained_parser(commands)
     return parser
 
 
