@@ -162,19 +162,45 @@ def test_constrained_trees_equal_plain(exactness_log, name, temperature, seed, n
     exactness_log.record("constrained/tree", f"draft 0.5 x{n_parallel}", spec.stats, spec.stats.stop_reason)
 
 
+@pytest.mark.parametrize("tree_tokens", [0, 8])
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
 @pytest.mark.parametrize("name", ["person", "regex-digits"])
-def test_constrained_eagle3_equals_plain(exactness_log, name, temperature) -> None:
+def test_constrained_eagle3_equals_plain(exactness_log, name, temperature, tree_tokens) -> None:
+    """EAGLE-3 chains (masked as drafted) and dynamic trees (pruned, masked per node)."""
     head = eagle3_head()
     sampling = SamplingParams(temperature=temperature, seed=5)
     config = GenerationConfig(n_predict=40)
     constraint = CONSTRAINTS[name]
     plain = Pipeline(backend(eagle3_target())).generate("def f(x):", sampling, config, constraint)
-    pipe = Pipeline(backend(eagle3_target()), eagle3=head, draft_config=DraftModelConfig(p_min=0.0, n_max=6))
+    draft_config = DraftModelConfig(p_min=0.0, n_max=6, tree_tokens=tree_tokens)
+    pipe = Pipeline(backend(eagle3_target()), eagle3=head, draft_config=draft_config)
     spec = pipe.generate("def f(x):", sampling, config, constraint)
     check_same(spec, plain)
     assert spec.stats.totals.n_drafted > 0
-    exactness_log.record("constrained/eagle3", f"head {name}", spec.stats, spec.stats.stop_reason)
+    shape = "tree" if tree_tokens else "chain"
+    exactness_log.record("constrained/eagle3", f"head {shape} {name}", spec.stats, spec.stats.stop_reason)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+@pytest.mark.parametrize("name", ["person", "regex-words", "gbnf-list"])
+def test_constrained_adaptive_policy_equals_plain(exactness_log, name, temperature) -> None:
+    """The adaptive policy chooses among the pruned drafts; the output stays plain's."""
+    target_spec = TargetSpec()
+    sampling = SamplingParams(temperature=temperature, seed=11)
+    config = GenerationConfig(n_predict=48)
+    constraint = CONSTRAINTS[name]
+    plain = Pipeline(backend(target_model(target_spec))).generate("def f(x):", sampling, config, constraint)
+    pipe = Pipeline(
+        backend(target_model(target_spec)),
+        backend(draft_model(target_spec, 0.1)),
+        spec_types=["ngram-simple", "draft"],
+        spec_policy="adaptive",
+    )
+    spec = pipe.generate("def f(x):", sampling, config, constraint)
+    check_same(spec, plain)
+    exactness_log.record(
+        "constrained/adaptive", f"ngram-simple,draft {name}", spec.stats, spec.stats.stop_reason
+    )
 
 
 def test_rejection_verification_keeps_outputs_valid() -> None:
@@ -284,3 +310,15 @@ def test_cli_constrained_generation(tmp_path, saved_model_dir, capsys) -> None:
         assert err.startswith("error: ") and err.count("\n") == 1
     assert main([*base, "--spec-type", "forced"]) == 2
     assert "drafts what a grammar forces" in capsys.readouterr().err
+
+
+def test_bench_constrained_cases() -> None:
+    """The benchmark's tasks: held-out functions, the schema in the prompt, and a grammar the
+    engine compiles for each."""
+    from specdecode.bench.constrained import build_cases
+
+    cases = build_cases(2)
+    assert [case.task for case in cases] == ["json-extraction"] * 2 + ["function-call"] * 2
+    for case in cases:
+        assert json.dumps(case.schema) in case.prompt
+        constraint_for(ConstraintSpec("json_schema", json.dumps(case.schema)))
