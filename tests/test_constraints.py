@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 from specdecode import ConstraintSpec, DraftModelConfig, GenerationConfig, HFBackend, Pipeline, SamplingParams
 from specdecode.constraints import Constraint
 from specdecode.errors import SpecdecodeError
-from specdecode.strategies import Draft
+from specdecode.strategies import Draft, NgramMapConfig, NgramModConfig, NgramSettings
 
 PERSON = {
     "type": "object",
@@ -100,6 +100,7 @@ def run_pair(spec_types, sampling, name, prompt, *, verify="match", draft_config
         backend(draft_model(target_spec, kind)),
         spec_types=spec_types,
         draft_config=draft_config or DraftModelConfig(),
+        ngram=SHORT_NGRAMS,
     )
     spec = pipe.generate(prompt, sampling, config, constraint)
     return spec, plain
@@ -114,12 +115,20 @@ def check_same(spec, plain) -> None:
 STRATEGIES = (
     ["draft"],
     ["ngram-simple", "ngram-mod"],
+    ["ngram-map-k", "ngram-map-k4v", "ngram-cache"],
     ["forced"],
     ["ngram-mod", "draft"],
 )
+# Keyed on one or two tokens, so that n-gram drafts come often (and are often cut).
+SHORT_NGRAMS = NgramSettings(
+    simple=NgramMapConfig(size_n=2, size_m=12),
+    map_k=NgramMapConfig(size_n=1, size_m=8),
+    map_k4v=NgramMapConfig(size_n=1, size_m=8),
+    mod=NgramModConfig(n_match=1, n_min=1, n_max=24),
+)
 
 
-@settings(**SETTINGS)
+@settings(**{**SETTINGS, "max_examples": 60})
 @given(
     name=st.sampled_from(sorted(CONSTRAINTS)),
     types=st.sampled_from(STRATEGIES),
