@@ -15,9 +15,10 @@ samples from exactly the distributions a constrained plain run does.
   gives the mask of every row of the pass; the walk is rolled back afterwards, and only the
   tokens the step emits are committed (`advance`).
 - Drafting: drafts are cut at their first forbidden token (`prune`; a tree loses the subtrees
-  below a forbidden node); a drafting model masks its own logits as it drafts (`push`, `mask`,
-  `rewind`), so a token the grammar forbids is never proposed, and where the grammar allows a
-  single token its top-1 confidence is 1. `forced` lists the tokens the grammar allows alone,
+  below a forbidden node); a drafting model masks its own logits as it drafts, a chain
+  (`push`, `draft_logits`) or a tree (`mask_at` each node's path), and `rewind`s after, so a
+  token the grammar forbids is never proposed, and where the grammar allows a single token
+  its top-1 confidence is 1. `forced` lists the tokens the grammar allows alone,
   drafted for free by the `forced` strategy.
 
 Masks computed for a position are kept until the constraint advances, so the masks a drafting
@@ -206,6 +207,19 @@ class Constraint:
         out[:n].masked_fill_(~allowed[:n], float("-inf"))
         out[n:] = float("-inf")
         return out
+
+    def mask_at(self, path: Sequence[int], logits: torch.Tensor) -> torch.Tensor | None:
+        """A drafting model's logits [V] for the node after `path` (tokens from the committed
+        state), masked there; the scratch path moves to `path` (rewind it when done drafting).
+        None where the path is forbidden or the grammar is complete after it."""
+        common = 0
+        while common < min(len(self._path), len(path)) and self._path[common] == path[common]:
+            common += 1
+        self.rewind(len(self._path) - common)
+        for token in path[common:]:
+            if not self.push(token):
+                return None
+        return self.draft_logits(logits)
 
     def draft_logits(self, logits: torch.Tensor) -> torch.Tensor | None:
         """A drafting model's logits [V] masked at the scratch state; None where the grammar is

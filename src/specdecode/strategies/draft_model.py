@@ -16,6 +16,7 @@ replacement, each reported with the distribution it was drawn from.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
@@ -137,7 +138,11 @@ class DraftModelStrategy:
             return Draft()  # special tokens alone translate to no text: nothing to continue
         logits = evaluate_continuation(self.backend, context)  # [V]
         if self.config.n_parallel > 1:
-            return self._draft_tree(context, logits, n_max)
+            try:
+                return self._draft_tree(context, logits, n_max)
+            finally:
+                if self.constraint is not None:
+                    self.constraint.rewind()
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
         # Under a constraint, a draft of the target's vocabulary is masked as it is drafted (one
@@ -176,9 +181,11 @@ class DraftModelStrategy:
         for depth in range(n_max):
             new: list[int] = []
             for parent, logits in frontier:
+                path = paths[parent] if parent >= 0 else []
+                if self.constraint is not None and (logits := self.constraint.mask_at(path, logits)) is None:
+                    continue  # the grammar is complete after this node
                 if len(tokens) >= n_max or top1_confidence(logits) < self.config.p_min:
                     continue
-                path = paths[parent] if parent >= 0 else []
                 picks = self._children(
                     logits, [*context, *path], n_max - len(tokens), self._splits(logits, branches)
                 )
@@ -235,7 +242,8 @@ class DraftModelStrategy:
         count = min(1 + extra, room)
         if self.sampler is None:
             ids, _ = top_candidates(logits)
-            return [(token, None) for token in ids if token < self.target_vocab_size][:count]
+            allowed = [token for token in ids if token < self.target_vocab_size and logits[token] > -math.inf]
+            return [(token, None) for token in allowed][:count]
         probs = distribution(logits, self.sampler.params, context)[: self.target_vocab_size]  # [V]
         picks: list[tuple[int, torch.Tensor | None]] = []
         for _ in range(count):

@@ -146,9 +146,14 @@ class Eagle3Strategy:
             for depth in range(1, depth_max + 1):
                 level = len(tokens)
                 for parent, row in zip(expanded, expanded_logits, strict=True):
+                    path = [tokens[node] for node in path_to(parents, parent)]
+                    if self.constraint is not None and (row := self.constraint.mask_at(path, row)) is None:
+                        continue  # the grammar is complete after this node
+                    if not bool(torch.isfinite(row).any()):
+                        continue  # every token the grammar allows lies outside the head's vocabulary
                     history = context  # what penalties see: the path too when sampling
                     if self.sampler is not None:
-                        history = [*context, *(tokens[node] for node in path_to(parents, parent))]
+                        history = [*context, *path]
                     children, child_scores, child_rows = self._children(row, history, topk)
                     base = scores[parent] if parent >= 0 else 0.0
                     tokens += children
@@ -173,6 +178,8 @@ class Eagle3Strategy:
                 expanded_logits = self.head.target_logits(hs)  # [T, V]
         finally:
             tree.drop()
+            if self.constraint is not None:
+                self.constraint.rewind()
         # best first (a parent before its children on ties): every prefix is the best tree of its size
         kept = sorted(range(len(tokens)), key=lambda i: (-scores[i], depths[i], i))[:budget]
         if not kept or max(depths[i] for i in kept) < self.n_min:
@@ -193,7 +200,8 @@ class Eagle3Strategy:
         drawn children a factor that does not depend on which token was drawn."""
         log_probs = torch.log_softmax(logits.to(torch.float64), dim=-1)
         if self.sampler is None:
-            top = torch.topk(log_probs, min(k, self.head.config.draft_vocab_size))
+            count = min(k, self.head.config.draft_vocab_size, int(torch.isfinite(log_probs).sum()))
+            top = torch.topk(log_probs, count)  # a grammar's mask may leave fewer than k tokens
             return top.indices.tolist(), top.values.tolist(), []
         remaining = distribution(logits, self.sampler.params, context)
         count = min(k, int(torch.count_nonzero(remaining)))
