@@ -206,3 +206,23 @@ def test_bad_constraints_are_400(client, path, extra, param) -> None:
     if param is not None:
         assert error["param"] == param
     assert client.get("/health").json()["status"] == "ok"
+
+
+def test_streamed_answers_validate(client) -> None:
+    """A streamed chat answer and a streamed /completion answer under a schema: their pieces
+    join into JSON of the schema, the same text as the whole answer."""
+    rng = random.Random(3)
+    for index in (0, 2):
+        schema = random_object_schema(rng)
+        path, body, where = request(rng, schema, index)
+        whole, _ = answer_text(client.post(path, json=body).json(), where)
+        events = client.post(path, json={**body, "stream": True}).text.split("\n\n")
+        pieces = [json.loads(event.removeprefix("data: ")) for event in events if event.startswith("data: {")]
+        if where == "chat":
+            text = "".join(
+                piece["choices"][0]["delta"].get("content") or "" for piece in pieces if piece["choices"]
+            )
+        else:
+            text = "".join(piece["content"] for piece in pieces if not piece["stop"])
+        assert text == whole
+        jsonschema.validate(json.loads(text), schema)
