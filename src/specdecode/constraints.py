@@ -50,9 +50,7 @@ JSON_OPTIONS = {"whitespace_flexible": False}
 @dataclass(frozen=True)
 class ConstraintSpec:
     """What the output must match: kind "grammar" (GBNF, or Lark with a `%llguidance` header),
-    "json_schema" (a schema, as JSON text) or "regex"; text is the grammar, schema or pattern.
-    A JSON schema of `{}` with kind "json_schema" asks for any JSON object
-    (OpenAI's `json_object`)."""
+    "json_schema" (a schema, as JSON text) or "regex"; text is the grammar, schema or pattern."""
 
     kind: str
     text: str
@@ -63,7 +61,7 @@ class ConstraintSpec:
 
     @classmethod
     def json_object(cls) -> ConstraintSpec:
-        """Any JSON object."""
+        """Any JSON object (OpenAI's `json_object`)."""
         return cls("json_schema", json.dumps({"type": "object"}))
 
     def grammar(self) -> str:
@@ -76,7 +74,7 @@ class ConstraintSpec:
                 schema = json.loads(self.text)
                 if not isinstance(schema, dict):
                     raise SpecdecodeError("a JSON schema must be a JSON object")
-                # Compact JSON (", " and ": " between items, no other whitespace) unless the
+                # Compact JSON ("," and ":" between items, no other whitespace) unless the
                 # schema's own "x-guidance" options say otherwise.
                 return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
             # GBNF's converter reports a bad grammar with any exception (a bare Exception included).
