@@ -3,6 +3,7 @@
 from specdecode.api import Pipeline, Result
 from specdecode.backends import Backend, VocabInfo
 from specdecode.backends.hf import HFBackend, LoadOptions
+from specdecode.constraints import ConstraintSpec
 from specdecode.errors import SpecdecodeError
 from specdecode.generate import Chunk, Generation, GenerationConfig
 from specdecode.sampling import Sampler, SamplingParams
@@ -12,6 +13,7 @@ from specdecode.strategies import Draft, DraftModelConfig, Strategy
 __all__ = [
     "Backend",
     "Chunk",
+    "ConstraintSpec",
     "Draft",
     "DraftModelConfig",
     "Generation",

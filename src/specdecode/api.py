@@ -21,6 +21,7 @@ from specdecode.backends.gather import DraftPasses, GatheredBackend, GatheredHea
 from specdecode.backends.hf import LoadOptions
 from specdecode.backends.load import load_backend
 from specdecode.chain import Chain
+from specdecode.constraints import Constraint, ConstraintSpec
 from specdecode.errors import SpecdecodeError
 from specdecode.generate import Chunk, Generation, GenerationConfig, check_room
 from specdecode.policy import AdaptivePolicy, PolicyModels, check_policy
@@ -145,11 +146,15 @@ class Pipeline:
         sampling: SamplingParams = SamplingParams(),
         config: GenerationConfig = GenerationConfig(),
         draft_config: DraftModelConfig | None = None,
+        constraint: ConstraintSpec | None = None,
     ) -> Generation:
         """A generation to iterate for chunks; its tokens, text and stats are complete after.
 
-        draft_config: drafting settings for this generation only (None: the pipeline's own)."""
+        draft_config: drafting settings for this generation only (None: the pipeline's own).
+        constraint: a grammar, JSON schema or regex the output must match (see
+        `specdecode.constraints`); a SpecdecodeError if it is not a valid one."""
         self._check_chains(draft_config or self.draft_config)
+        matcher = Constraint.for_backend(constraint, self.target) if constraint is not None else None
         sampler = Sampler(sampling)
         setup = SpecSetup(
             target=self.target,
@@ -162,22 +167,24 @@ class Pipeline:
             eagle3_head=self.eagle3,
             ngram=self.ngram,
             shared=self.shared,
+            constraint=matcher,
         )
         policy = None
         if self.policy_models is not None:
             policy = AdaptivePolicy(
                 self.policy_models, counterfactual=config.verify == "match" or sampling.greedy
             )
-        chain = Chain(build_strategies(self.spec_types, setup), policy)
-        return Generation(self.target, chain, sampler, config, self.encode(prompt))
+        chain = Chain(build_strategies(self.spec_types, setup), policy, matcher)
+        return Generation(self.target, chain, sampler, config, self.encode(prompt), constraint=matcher)
 
     def generate(
         self,
         prompt: str | Sequence[int],
         sampling: SamplingParams = SamplingParams(),
         config: GenerationConfig = GenerationConfig(),
+        constraint: ConstraintSpec | None = None,
     ) -> Result:
-        run = self.stream(prompt, sampling, config)
+        run = self.stream(prompt, sampling, config, constraint=constraint)
         for _ in run:
             pass
         return Result(run.text, run.tokens, run.stats)

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from specdecode.constraints import Constraint
 from specdecode.errors import SpecdecodeError
 from specdecode.policy import AdaptivePolicy, Stopper
 from specdecode.stats import StrategyStats
@@ -43,9 +44,16 @@ PROPAGATED = (SpecdecodeError, MemoryError, torch.OutOfMemoryError)
 
 
 class Chain:
-    def __init__(self, strategies: Sequence[Strategy], policy: AdaptivePolicy | None = None) -> None:
-        """policy: None for the classic chain."""
+    def __init__(
+        self,
+        strategies: Sequence[Strategy],
+        policy: AdaptivePolicy | None = None,
+        constraint: Constraint | None = None,
+    ) -> None:
+        """policy: None for the classic chain. constraint: the generation's grammar, if any;
+        every draft is cut at its first token the grammar forbids, before the n_min rule."""
         self.strategies = list(strategies)
+        self.constraint = constraint
         self.stats = [StrategyStats(s.name) for s in self.strategies]
         self.policy = policy
         self._last: int | None = None  # index of the strategy whose draft is being verified
@@ -87,6 +95,8 @@ class Chain:
         start = time.perf_counter()
         strategy = self.strategies[index]
         draft = self._guarded(index, "draft", strategy.draft, history, last, n_max, failed=Draft())
+        if self.constraint is not None:
+            draft = self.constraint.prune(draft)
         self.stats[index].t_draft += time.perf_counter() - start
         self.stats[index].n_call_draft += 1
         return draft

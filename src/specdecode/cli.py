@@ -18,9 +18,11 @@ from specdecode.api import Pipeline
 from specdecode.backends.hf import DTYPES, LoadOptions
 from specdecode.backends.load import BACKENDS
 from specdecode.bench import command as bench_command
+from specdecode.bench import constrained as bench_constrained
 from specdecode.bench import drafting as bench_drafting
 from specdecode.bench import passes as bench_passes
 from specdecode.bench import serving as bench_serving
+from specdecode.constraints import ConstraintSpec
 from specdecode.defaults import resolve_eagle3, resolve_models
 from specdecode.errors import SpecdecodeError, read_text_file
 from specdecode.export.command import add_export_parser
@@ -51,7 +53,20 @@ STRATEGY_HELP = {
     "ngram-cache": "1- to 4-gram statistics of the context, a dynamic (-lcd) and a static (-lcs) cache file",
     "draft": "a small draft model (-md) of the same vocabulary proposes up to --draft-max tokens",
     "eagle3": "an EAGLE-3 head (-me) over the target's own hidden states proposes up to --draft-max tokens",
+    "forced": "under --grammar/--json-schema/--regex: the tokens the grammar allows alone (added to any "
+    "speculation)",
 }
+
+
+def add_constraint_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("constrained output (one of)").add_mutually_exclusive_group()
+    group.add_argument(
+        "--grammar", type=Path, help="a GBNF grammar file (or Lark with a %%llguidance header)"
+    )
+    group.add_argument(
+        "--json-schema", type=Path, help="a JSON schema file: the output is one JSON value of it"
+    )
+    group.add_argument("--regex", help="a regular expression the whole output matches")
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -319,11 +334,31 @@ def read_prompt(args: argparse.Namespace) -> str:
     return args.prompt
 
 
+def constraint_from_args(args: argparse.Namespace) -> ConstraintSpec | None:
+    """--grammar FILE, --json-schema FILE or --regex R; checked for syntax before any model loads
+    (fully, against the tokenizer, when the generation starts)."""
+    if args.grammar is not None:
+        spec = ConstraintSpec("grammar", read_text_file(args.grammar, "grammar file"))
+    elif args.json_schema is not None:
+        spec = ConstraintSpec("json_schema", read_text_file(args.json_schema, "JSON schema file"))
+    elif args.regex is not None:
+        spec = ConstraintSpec("regex", args.regex)
+    else:
+        if args.spec_type is not None and "forced" in parse_spec_types(args.spec_type):
+            raise SpecdecodeError(
+                "--spec-type forced drafts what a grammar forces: give --grammar, --json-schema or --regex"
+            )
+        return None
+    spec.grammar()
+    return spec
+
+
 def run_generate(args: argparse.Namespace) -> None:
     prompt = read_prompt(args)
+    constraint = constraint_from_args(args)
     pipeline = pipeline_from_args(args)
     config = GenerationConfig(args.n_predict, tuple(args.stop or ()), args.verify, args.ignore_eos)
-    run = pipeline.stream(prompt, sampling_from_args(args), config)
+    run = pipeline.stream(prompt, sampling_from_args(args), config, constraint=constraint)
     for chunk in run:
         if args.stream and not args.json:
             print(chunk.text, end="", flush=True)
@@ -375,6 +410,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--stream", action="store_true", help="print text as tokens are accepted")
     gen.add_argument("--json", action="store_true", help='print one JSON object {"text", "tokens", "stats"}')
+    add_constraint_args(gen)
     add_model_args(gen)
     add_spec_args(gen)
     add_sampling_args(gen, temperature=SamplingParams().temperature)
@@ -408,6 +444,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_drafting.add_bench_draft_parser(commands)
     bench_passes.add_bench_passes_parser(commands)
     bench_serving.add_bench_serve_parser(commands)
+    bench_constrained.add_bench_constrained_parser(commands)
     return parser
 
 

@@ -15,6 +15,10 @@ A step is two halves around the target pass: `plan` drafts and names the rows to
 the batch engine (`specdecode.scheduler`) runs every sequence's `plan`, one pass for all of
 their rows, then every `finish`, so a sequence decides its tokens with the same lines alone or
 in a batch. The prompt enters the cache a chunk at a time (`prefill_step`) for the same reason.
+
+Under a constraint (`specdecode.constraints`) every logits row is masked with the grammar's
+state before the sampler reads it, in plain and speculative steps alike, and each emitted
+token advances that state; a complete grammar ends the generation ("grammar").
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import torch
 from specdecode.backends import Backend, common_prefix
 from specdecode.backends.batch import RowGroup, score_alone
 from specdecode.chain import Chain
+from specdecode.constraints import Constraint
 from specdecode.errors import SpecdecodeError
 from specdecode.sampling import Sampler
 from specdecode.stats import GenerationStats
@@ -82,6 +87,7 @@ class Generation:
     prompt: list[int]
     tokens: list[int] = field(default_factory=list)
     stats: GenerationStats = field(default_factory=GenerationStats)
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         check_room(self.prompt, self.config.n_predict, self.target.n_ctx)
@@ -138,7 +144,8 @@ class Generation:
         self.chain.begin(self.prompt)
         self.stats.t_prompt = time.perf_counter() - self._start
         self._history = list(self.prompt)
-        return self._emit([self.sampler.sample(logits[0], self._history)], Draft(), 0)
+        first = logits[0] if self.constraint is None else self.constraint.mask(logits[0])
+        return self._emit([self.sampler.sample(first, self._history)], Draft(), 0)
 
     def step(self, max_draft: int | None = None) -> Chunk:
         """One draft -> verify -> accept round in a pass of its own."""
@@ -177,6 +184,8 @@ class Generation:
         start = time.perf_counter()
         history, draft = self._history, plan.draft
         last = plan.rows.ids[0]
+        if self.constraint is not None:
+            logits = self.constraint.mask_rows(draft, logits)
         verdict = self._verify(draft, logits, [*history, last])
         self._keep(history, last, draft, verdict.path)
         self.stats.t_verify += t_pass + time.perf_counter() - start
@@ -202,6 +211,8 @@ class Generation:
         self._closed = True
         started = self._start or time.perf_counter()
         self.stats.t_generation = time.perf_counter() - started - self.stats.t_prompt
+        if self.constraint is not None:
+            self.stats.t_grammar, self.stats.n_masks = self.constraint.t_mask, self.constraint.n_masks
         self.stats.stop_reason = self.stats.stop_reason or "abandoned"
         self.chain.end()
 
@@ -216,7 +227,9 @@ class Generation:
 
     def _verify(self, draft: Draft, logits, context: Sequence[int]) -> Verdict:
         """context: every token before the first verified position (history + [last])."""
-        eog = frozenset() if self.config.ignore_eos else self.target.vocab.eog_ids
+        # Under a grammar, end of generation is the grammar's to allow: it ends the step.
+        ignore_eos = self.config.ignore_eos and self.constraint is None
+        eog = frozenset() if ignore_eos else self.target.vocab.eog_ids
         if self.config.verify == "rejection":
             return verify_rejection(draft, logits, self.sampler, context, eog)
         return verify_match(draft, logits, self.sampler, context, eog)
@@ -230,6 +243,8 @@ class Generation:
             self.tokens.append(token)
             self.stats.n_generated += 1
             text += self._text.push(token)
+            if self.constraint is not None:
+                self.constraint.advance(token)
             self.stats.stop_reason = self._stop_reason(token)
             if self.stats.stop_reason:
                 text += self._text.finish()
@@ -237,8 +252,10 @@ class Generation:
         return Chunk(kept, text, len(draft.tokens), n_accepted, draft.strategy)
 
     def _stop_reason(self, token: int) -> str:
-        if token in self.target.vocab.eog_ids and not self.config.ignore_eos:
+        if token in self.target.vocab.eog_ids and (not self.config.ignore_eos or self.constraint is not None):
             return "eos"
+        if self.constraint is not None and self.constraint.stopped:
+            return "grammar"
         if self._text.stopped:
             return "stop string"
         if self._remaining() <= 0:

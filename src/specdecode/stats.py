@@ -98,6 +98,8 @@ class GenerationStats:
     t_generation: float = 0.0  # everything after it
     t_draft: float = 0.0
     t_verify: float = 0.0  # target passes + verification sampling
+    t_grammar: float = 0.0  # the constraint's matcher (masks, walks, commits), within the above
+    n_masks: int = 0  # token masks the constraint computed
     stop_reason: str = ""
     seed: int | None = None
     strategies: list[StrategyStats] = field(default_factory=list)
@@ -151,6 +153,12 @@ class GenerationStats:
             f"time split  draft {100 * self.t_draft / gen:.1f}%  verify {100 * self.t_verify / gen:.1f}%  "
             f"other {100 * self.t_other / gen:.1f}%",
         ]
+        if self.n_masks:
+            lines.append(
+                f"grammar     {self.n_masks:6d} masks, {1e3 * self.t_grammar:.1f} ms "
+                f"({100 * self.t_grammar / gen:.1f}% of generation, "
+                f"{1e6 * self.t_grammar / max(1, self.n_generated):.0f} us per token)"
+            )
         if t.n_tree_drafts:
             lines.append(
                 f"trees       {t.n_tree_drafts:6d} of {t.n_drafts} drafts branched; "

@@ -9,6 +9,7 @@ sends its headers only once a slot is generating it, so a request refused while 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import json
@@ -27,6 +28,7 @@ from pydantic import BaseModel, ValidationError
 
 from specdecode.api import Pipeline
 from specdecode.backends.gather import DraftPasses
+from specdecode.constraints import compile_constraint, grammar_tokenizer
 from specdecode.errors import SpecdecodeError
 from specdecode.generate import Chunk, Generation, GenerationConfig
 from specdecode.sampling import SamplingParams
@@ -157,7 +159,7 @@ class Service:
         """POST /completion: llama-server's request and answer."""
         body = await parse_body(request, NativeCompletionRequest)
         self._check(body)
-        job = self._job(body, await self._prompt_ids(body.prompt))
+        job = await self._constrained(body, self._job(body, await self._prompt_ids(body.prompt)))
         run = await self._start(job, request)
         if run is None:
             return Response(status_code=CLIENT_CLOSED)
@@ -266,6 +268,25 @@ class Service:
             raise APIError(400, str(exc)) from None
         return Job(prompt, sampling, config, self._draft(body), getattr(body, "cache_prompt", True))
 
+    async def _constrained(self, body: Sampling, job: Job) -> Job:
+        """The job with the request's grammar or schema, compiled once here (in a worker thread:
+        a large schema takes a while) so that a bad one is a 400 before any slot is taken."""
+        asked = body.constraint()
+        if asked is None:
+            return job
+        spec, field = asked
+        target = self.front.target
+
+        def check() -> None:
+            tokenizer = grammar_tokenizer(target.tokenizer, target.vocab.size, target.vocab.eos_id)
+            compile_constraint(spec, tokenizer)
+
+        try:
+            await asyncio.to_thread(check)
+        except SpecdecodeError as exc:
+            raise APIError(400, str(exc), param=field) from None
+        return replace(job, constraint=spec)
+
     def _n_predict(self, requested: int | None, n_prompt: int, field: str) -> int:
         """The request's token limit, checked; without one, up to the limit or the context's end."""
         limit, room = self.settings.max_tokens, self.n_ctx - n_prompt
@@ -336,7 +357,7 @@ class Service:
     async def _openai(
         self, body: SamplingFields, prompt: list[int], kind: TextCompletion | ChatCompletion, request: Request
     ) -> Response:
-        job = self._job(body, prompt)
+        job = await self._constrained(body, self._job(body, prompt))
         reply = Reply(kind, self.settings.model_id, self.fingerprint, body.include_usage)
         run = await self._start(job, request)
         if run is None:

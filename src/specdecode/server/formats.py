@@ -13,8 +13,15 @@ from typing import Any
 
 from specdecode.stats import GenerationStats
 
-FINISH_REASONS = {"eos": "stop", "stop string": "stop", "n_predict": "length", "context": "length"}
-STOP_TYPES = {"eos": "eos", "stop string": "word", "n_predict": "limit", "context": "limit"}
+# A complete grammar ends the output as end-of-generation would.
+FINISH_REASONS = {
+    "eos": "stop",
+    "grammar": "stop",
+    "stop string": "stop",
+    "n_predict": "length",
+    "context": "length",
+}
+STOP_TYPES = {"eos": "eos", "grammar": "eos", "stop string": "word", "n_predict": "limit", "context": "limit"}
 
 
 def finish_reason(stats: GenerationStats) -> str:

@@ -12,9 +12,12 @@ the tokenizer cannot encode them, and the refusal names the field.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+
+from specdecode.constraints import ConstraintSpec
 
 MAX_STOP_STRINGS = 4  # the OpenAI API's limit
 MAX_NATIVE_STOP_STRINGS = 16  # llama-server has none; every stop string is checked at every step
@@ -84,6 +87,40 @@ class Sampling(Speculative):
         """The first field asking for something this server does not do, if any."""
         return None
 
+    def constraint(self) -> tuple[ConstraintSpec, str] | None:
+        """What the output must match, and the field that asked for it; None for free text."""
+        return None
+
+
+class JsonSchemaFormat(Strict):
+    """OpenAI's `response_format.json_schema`; `strict` is accepted either way, since the output
+    always follows the schema."""
+
+    name: Annotated[str, Field(max_length=64)]
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(Strict):
+    """OpenAI's `response_format`: free text, any JSON object, or JSON of a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError('"json_schema" is required with type json_schema, and only with it')
+        return self
+
+    def constraint(self) -> ConstraintSpec | None:
+        if self.type == "json_object":
+            return ConstraintSpec.json_object()
+        if self.json_schema is not None:
+            return ConstraintSpec("json_schema", json.dumps(self.json_schema.json_schema or {}))
+        return None
+
 
 class SamplingFields(Sampling):
     """What OpenAI's completions and chat requests share."""
@@ -94,7 +131,7 @@ class SamplingFields(Sampling):
     logprobs: bool | int | None = None
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted and ignored, as a label for the caller's own logs
 
@@ -119,9 +156,11 @@ class SamplingFields(Sampling):
             return "logprobs" if self.logprobs else "top_logprobs"
         if self.tools:
             return "tools"
-        if self.response_format is not None and self.response_format != {"type": "text"}:
-            return "response_format"
         return None
+
+    def constraint(self) -> tuple[ConstraintSpec, str] | None:
+        spec = self.response_format.constraint() if self.response_format is not None else None
+        return None if spec is None else (spec, "response_format")
 
 
 class CompletionRequest(SamplingFields):
@@ -171,6 +210,21 @@ class NativeCompletionRequest(Sampling):
     cache_prompt: bool = True  # False: the slot's cached prefix is dropped and the prompt evaluated anew
     return_tokens: bool = False
     n_probs: int = Field(0, ge=0)
+    grammar: Text | None = None  # GBNF (or Lark with a %llguidance header)
+    json_schema: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _one_constraint(self) -> NativeCompletionRequest:
+        if self.grammar is not None and self.json_schema is not None:
+            raise ValueError("give grammar or json_schema, not both")
+        return self
+
+    def constraint(self) -> tuple[ConstraintSpec, str] | None:
+        if self.grammar is not None:
+            return ConstraintSpec("grammar", self.grammar), "grammar"
+        if self.json_schema is not None:
+            return ConstraintSpec("json_schema", json.dumps(self.json_schema)), "json_schema"
+        return None
 
     def sampling_overrides(self) -> dict[str, Any]:
         overrides = super().sampling_overrides()

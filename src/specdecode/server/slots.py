@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from specdecode.api import Pipeline
 from specdecode.backends import common_prefix
 from specdecode.backends.gather import DraftPasses
+from specdecode.constraints import ConstraintSpec
 from specdecode.generate import Chunk, Generation, GenerationConfig
 from specdecode.sampling import SamplingParams
 from specdecode.scheduler import BatchEngine, Entry, LoadRule, PassRecord
@@ -50,6 +51,7 @@ class Job:
     config: GenerationConfig
     draft: DraftModelConfig | None = None  # this request's drafting settings (None: the server's)
     cache_prompt: bool = True  # False: drop the slot's cached prefix, evaluate the whole prompt
+    constraint: ConstraintSpec | None = None  # a grammar or schema the output must match (checked)
 
 
 @dataclass
@@ -214,7 +216,9 @@ class SlotPool:
             if not job.cache_prompt:
                 pipeline.target.truncate(0)
             run.n_cached = min(common_prefix(pipeline.target.tokens, job.prompt), len(job.prompt) - 1)
-            generation = pipeline.stream(job.prompt, job.sampling, job.config, draft_config=job.draft)
+            generation = pipeline.stream(
+                job.prompt, job.sampling, job.config, draft_config=job.draft, constraint=job.constraint
+            )
         except Exception as exc:  # reaches the request as a 500; the slot stays usable
             self._metrics.record_failure()
             emit(exc)

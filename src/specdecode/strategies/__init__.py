@@ -20,6 +20,7 @@ from specdecode.sampling import Sampler, SamplingParams
 from specdecode.strategies.base import Draft, Strategy
 from specdecode.strategies.draft_model import DraftModelConfig, DraftModelStrategy
 from specdecode.strategies.eagle3 import Eagle3Strategy
+from specdecode.strategies.forced import ForcedStrategy
 from specdecode.strategies.ngram_cache import NgramCache, NgramCacheStrategy, load
 from specdecode.strategies.ngram_map import NgramMapStrategy
 from specdecode.strategies.ngram_mod import NgramModConfig, NgramModPool, NgramModStrategy
@@ -27,9 +28,21 @@ from specdecode.strategies.ngram_simple import NgramMapConfig, NgramSimpleStrate
 from specdecode.vocab import VocabTranslator
 
 if TYPE_CHECKING:
+    from specdecode.constraints import Constraint
     from specdecode.strategies.eagle3_head import Eagle3Head
 
-PRIORITY = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache", "draft", "eagle3")
+# `forced` (constrained generation only) comes last: a drafting model's masked draft already
+# holds the forced tokens and goes on past them; an n-gram draft cut to nothing falls to it.
+PRIORITY = (
+    "ngram-simple",
+    "ngram-map-k",
+    "ngram-map-k4v",
+    "ngram-mod",
+    "ngram-cache",
+    "draft",
+    "eagle3",
+    "forced",
+)
 
 
 @dataclass(frozen=True)
@@ -76,6 +89,7 @@ class SpecSetup:
     eagle3_head: Eagle3Head | None = None  # uses the draft settings (`draft`) too
     ngram: NgramSettings = field(default_factory=NgramSettings)
     shared: SharedState | None = None
+    constraint: Constraint | None = None  # the generation's grammar, if any
 
 
 def _draft_sampler(setup: SpecSetup, stream: int) -> Sampler | None:
@@ -96,13 +110,16 @@ def _build_draft_model(setup: SpecSetup) -> Strategy:
         target_vocab_size=setup.target.vocab.size,
         translator=setup.translator,
         sampler=sampler,
+        constraint=setup.constraint,
     )
 
 
 def _build_eagle3(setup: SpecSetup) -> Strategy:
     if setup.eagle3_head is None or setup.target is None:
         raise SpecdecodeError("--spec-type eagle3 needs an EAGLE-3 head (-me DIR)")
-    return Eagle3Strategy(setup.eagle3_head, setup.target, setup.draft, _draft_sampler(setup, 2))
+    return Eagle3Strategy(
+        setup.eagle3_head, setup.target, setup.draft, _draft_sampler(setup, 2), setup.constraint
+    )
 
 
 def _shared(setup: SpecSetup) -> SharedState:
@@ -150,6 +167,11 @@ def _build_ngram_cache(setup: SpecSetup) -> Strategy:
     return Synchronized(strategy, shared.lock)
 
 
+def _build_forced(setup: SpecSetup) -> Strategy:
+    assert setup.constraint is not None, "forced drafting needs a constraint"
+    return ForcedStrategy(setup.constraint)
+
+
 FACTORIES: dict[str, Callable[[SpecSetup], Strategy]] = {
     "ngram-simple": lambda setup: NgramSimpleStrategy(setup.ngram.simple),
     "ngram-map-k": lambda setup: NgramMapStrategy(setup.ngram.map_k, key_only=True),
@@ -159,6 +181,7 @@ FACTORIES: dict[str, Callable[[SpecSetup], Strategy]] = {
     "ngram-cache": _build_ngram_cache,
     "draft": _build_draft_model,
     "eagle3": _build_eagle3,
+    "forced": _build_forced,
 }
 assert set(FACTORIES) <= set(PRIORITY), "every strategy needs its place in PRIORITY"
 AVAILABLE = tuple(name for name in PRIORITY if name in FACTORIES)
@@ -179,6 +202,11 @@ def parse_spec_types(text: str) -> list[str]:
 
 
 def build_strategies(names: list[str], setup: SpecSetup) -> list[Strategy]:
+    """The strategies named, in priority order. A constrained generation that speculates at all
+    drafts forced tokens too; an unconstrained one has none to draft."""
+    names = [name for name in names if name != "forced" or setup.constraint is not None]
+    if setup.constraint is not None and names:
+        names.append("forced")
     return [FACTORIES[name](setup) for name in PRIORITY if name in names]
 
 

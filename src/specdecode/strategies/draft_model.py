@@ -16,9 +16,10 @@ replacement, each reported with the distribution it was drawn from.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
@@ -27,6 +28,9 @@ from specdecode.errors import SpecdecodeError
 from specdecode.sampling import Sampler, distribution
 from specdecode.strategies.base import Draft, KeepDrafting, path_to
 from specdecode.vocab import VocabTranslator
+
+if TYPE_CHECKING:
+    from specdecode.constraints import Constraint
 
 CONFIDENCE_TOP_K = 10
 SPLIT_RANKS = 8  # candidates a node may branch into: the top one and ranks 1..7 (llama.cpp)
@@ -96,9 +100,13 @@ class DraftModelStrategy:
         target_vocab_size: int,
         translator: VocabTranslator | None = None,
         sampler: Sampler | None = None,
+        constraint: Constraint | None = None,
     ) -> None:
-        """sampler: given for rejection verification at temperature > 0 (draft by sampling)."""
+        """sampler: given for rejection verification at temperature > 0 (draft by sampling).
+        constraint: the generation's, whose masks a chain draft takes (a forbidden token is
+        never proposed; a token the grammar forces has confidence 1)."""
         self.backend = backend
+        self.constraint = constraint
         self.config = config
         self.n_min = config.n_min
         self.target_vocab_size = target_vocab_size
@@ -130,19 +138,34 @@ class DraftModelStrategy:
             return Draft()  # special tokens alone translate to no text: nothing to continue
         logits = evaluate_continuation(self.backend, context)  # [V]
         if self.config.n_parallel > 1:
-            return self._draft_tree(context, logits, n_max)
+            try:
+                return self._draft_tree(context, logits, n_max)
+            finally:
+                if self.constraint is not None:
+                    self.constraint.rewind()
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
-        while len(tokens) < n_max and continue_draft(
-            self.keep_drafting, len(tokens) + 1, logits, self.config.p_min
-        ):
-            token, row = self._pick(logits, [*context, *tokens])
-            if self.translator is None and token >= self.target_vocab_size:
-                break  # the target cannot emit ids past its vocabulary
-            tokens.append(token)
-            rows.append(row)
-            if len(tokens) < n_max:
-                logits = self.backend.evaluate([token], logits_rows=1)[0]
+        # Under a constraint, a draft of the target's vocabulary is masked as it is drafted (one
+        # translated through text is cut by the chain instead).
+        constraint = self.constraint if self.translator is None else None
+        try:
+            while len(tokens) < n_max:
+                if constraint is not None and (logits := constraint.draft_logits(logits)) is None:
+                    break  # the grammar is complete
+                if not continue_draft(self.keep_drafting, len(tokens) + 1, logits, self.config.p_min):
+                    break
+                token, row = self._pick(logits, [*context, *tokens])
+                if self.translator is None and token >= self.target_vocab_size:
+                    break  # the target cannot emit ids past its vocabulary
+                tokens.append(token)
+                rows.append(row)
+                if constraint is not None:
+                    constraint.push(token)
+                if len(tokens) < n_max:
+                    logits = self.backend.evaluate([token], logits_rows=1)[0]
+        finally:
+            if constraint is not None:
+                constraint.rewind()
         return self._to_target(tokens, rows, n_max)
 
     def _draft_tree(self, context: list[int], root_logits: torch.Tensor, n_max: int) -> Draft:
@@ -158,9 +181,11 @@ class DraftModelStrategy:
         for depth in range(n_max):
             new: list[int] = []
             for parent, logits in frontier:
+                path = paths[parent] if parent >= 0 else []
+                if self.constraint is not None and (logits := self.constraint.mask_at(path, logits)) is None:
+                    continue  # the grammar is complete after this node
                 if len(tokens) >= n_max or top1_confidence(logits) < self.config.p_min:
                     continue
-                path = paths[parent] if parent >= 0 else []
                 picks = self._children(
                     logits, [*context, *path], n_max - len(tokens), self._splits(logits, branches)
                 )
@@ -217,7 +242,8 @@ class DraftModelStrategy:
         count = min(1 + extra, room)
         if self.sampler is None:
             ids, _ = top_candidates(logits)
-            return [(token, None) for token in ids if token < self.target_vocab_size][:count]
+            allowed = [token for token in ids if token < self.target_vocab_size and logits[token] > -math.inf]
+            return [(token, None) for token in allowed][:count]
         probs = distribution(logits, self.sampler.params, context)[: self.target_vocab_size]  # [V]
         picks: list[tuple[int, torch.Tensor | None]] = []
         for _ in range(count):

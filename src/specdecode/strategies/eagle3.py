@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
@@ -43,15 +43,25 @@ from specdecode.strategies.base import Draft, KeepDrafting, path_to
 from specdecode.strategies.draft_model import DraftModelConfig, continue_draft
 from specdecode.strategies.eagle3_head import Eagle3Head, HeadCache, HeadTree
 
+if TYPE_CHECKING:
+    from specdecode.constraints import Constraint
+
 
 class Eagle3Strategy:
     name: ClassVar[str] = "eagle3"
 
     def __init__(
-        self, head: Eagle3Head, target: Backend, config: DraftModelConfig, sampler: Sampler | None = None
+        self,
+        head: Eagle3Head,
+        target: Backend,
+        config: DraftModelConfig,
+        sampler: Sampler | None = None,
+        constraint: Constraint | None = None,
     ) -> None:
-        """sampler: given for rejection verification at temperature > 0 (draft by sampling)."""
+        """sampler: given for rejection verification at temperature > 0 (draft by sampling).
+        constraint: the generation's, whose masks a chain draft takes."""
         self.head = head
+        self.constraint = constraint
         self.target = hidden_state_source(target, "--spec-type eagle3")
         self.target.capture_hidden(head.config.target_layer_ids)
         self.config = config
@@ -87,15 +97,27 @@ class Eagle3Strategy:
             return self._draft_tree(h, logits, context, n_max)
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
-        while len(tokens) < n_max and continue_draft(
-            self.keep_drafting, len(tokens) + 1, logits, self.config.p_min
-        ):
-            token, row = self._pick(logits, [*context, *tokens])
-            tokens.append(token)
-            rows.append(row)
-            if len(tokens) < n_max:
-                h = self.head.step([token], h[None], n + len(tokens) - 1, self.cache)[-1]
-                logits = self.head.target_logits(h)
+        constraint = self.constraint
+        try:
+            while len(tokens) < n_max:
+                if constraint is not None and (logits := constraint.draft_logits(logits)) is None:
+                    break  # the grammar is complete
+                # Every token the grammar allows may lie outside the head's vocabulary: no draft.
+                if not bool(torch.isfinite(logits).any()) or not continue_draft(
+                    self.keep_drafting, len(tokens) + 1, logits, self.config.p_min
+                ):
+                    break
+                token, row = self._pick(logits, [*context, *tokens])
+                tokens.append(token)
+                rows.append(row)
+                if constraint is not None:
+                    constraint.push(token)
+                if len(tokens) < n_max:
+                    h = self.head.step([token], h[None], n + len(tokens) - 1, self.cache)[-1]
+                    logits = self.head.target_logits(h)
+        finally:
+            if constraint is not None:
+                constraint.rewind()
         if len(tokens) < self.n_min:
             return Draft()
         return Draft(tokens, torch.stack(rows) if tokens and self.sampler is not None else None)
@@ -124,9 +146,14 @@ class Eagle3Strategy:
             for depth in range(1, depth_max + 1):
                 level = len(tokens)
                 for parent, row in zip(expanded, expanded_logits, strict=True):
+                    path = [tokens[node] for node in path_to(parents, parent)]
+                    if self.constraint is not None and (row := self.constraint.mask_at(path, row)) is None:
+                        continue  # the grammar is complete after this node
+                    if not bool(torch.isfinite(row).any()):
+                        continue  # every token the grammar allows lies outside the head's vocabulary
                     history = context  # what penalties see: the path too when sampling
                     if self.sampler is not None:
-                        history = [*context, *(tokens[node] for node in path_to(parents, parent))]
+                        history = [*context, *path]
                     children, child_scores, child_rows = self._children(row, history, topk)
                     base = scores[parent] if parent >= 0 else 0.0
                     tokens += children
@@ -151,6 +178,8 @@ class Eagle3Strategy:
                 expanded_logits = self.head.target_logits(hs)  # [T, V]
         finally:
             tree.drop()
+            if self.constraint is not None:
+                self.constraint.rewind()
         # best first (a parent before its children on ties): every prefix is the best tree of its size
         kept = sorted(range(len(tokens)), key=lambda i: (-scores[i], depths[i], i))[:budget]
         if not kept or max(depths[i] for i in kept) < self.n_min:
@@ -171,7 +200,8 @@ class Eagle3Strategy:
         drawn children a factor that does not depend on which token was drawn."""
         log_probs = torch.log_softmax(logits.to(torch.float64), dim=-1)
         if self.sampler is None:
-            top = torch.topk(log_probs, min(k, self.head.config.draft_vocab_size))
+            count = min(k, self.head.config.draft_vocab_size, int(torch.isfinite(log_probs).sum()))
+            top = torch.topk(log_probs, count)  # a grammar's mask may leave fewer than k tokens
             return top.indices.tolist(), top.values.tolist(), []
         remaining = distribution(logits, self.sampler.params, context)
         count = min(k, int(torch.count_nonzero(remaining)))
