@@ -21,6 +21,7 @@ from specdecode import DraftModelConfig, GenerationConfig, HFBackend, Pipeline, 
 from specdecode.backends.batch import RowGroup, evaluate_groups
 from specdecode.backends.gather import DraftPasses, GatheredBackend
 from specdecode.backends.native import NativeBackend
+from specdecode.constraints import ConstraintSpec
 from specdecode.errors import SpecdecodeError
 from specdecode.policy import CostModel
 from specdecode.scheduler import BatchEngine, LoadRule
@@ -254,6 +255,26 @@ def test_generate_batch_with_eagle3_equals_alone(zoo, mode, exactness_log):
         drafted += ours.stats.totals.n_drafted
         exactness_log.record(f"batch/eagle3-{mode}", "native", ours.stats, ours.stats.stop_reason, "float64")
     assert drafted > 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_constrained_generate_batch_equals_constrained_alone(mode, exactness_log):
+    """Each sequence walks its own grammar; masks, drafts cut at forbidden tokens and forced
+    drafts compose with the shared pass."""
+    spec = ConstraintSpec("regex", r"(x = [0-9]{1,3}\n){2,4}")
+    config = GenerationConfig(n_predict=30)
+    batch = prompts(5, seed=9)
+    solo = [
+        pipeline("float32", "ngram+draft").generate(p, MODES[mode], config, constraint=spec) for p in batch
+    ]
+    results = pipeline("float32", "ngram+draft").generate_batch(
+        batch, MODES[mode], config, max_sequences=3, constraint=spec
+    )
+    for ours, expected in zip(results, solo, strict=True):
+        assert ours.tokens == expected.tokens and ours.stats.stop_reason == expected.stats.stop_reason
+        exactness_log.record(
+            f"batch/constrained-{mode}", "native", ours.stats, ours.stats.stop_reason, "float32"
+        )
 
 
 def test_generate_batch_refuses_bad_requests_before_any_work():

@@ -197,6 +197,7 @@ class Pipeline:
         *,
         max_sequences: int = 8,
         load_rule: bool = True,
+        constraint: ConstraintSpec | None = None,
     ) -> list[Result]:
         """Generate for every prompt, up to `max_sequences` at a time sharing each target pass
         (see `specdecode.scheduler`); a finished sequence's place goes to the next prompt at
@@ -204,7 +205,8 @@ class Pipeline:
         alone (greedy, or seeded `match`, on a row-invariant backend).
 
         sampling: one setting for all, or one per prompt (give seeds for reproducible draws).
-        load_rule: shorten drafts as the batch grows (`LoadRule`); False drafts as alone."""
+        load_rule: shorten drafts as the batch grows (`LoadRule`); False drafts as alone.
+        constraint: what every answer must match (each sequence walks its own matcher)."""
         if max_sequences < 1:
             raise SpecdecodeError(f"max_sequences must be >= 1, not {max_sequences}")
         if isinstance(sampling, SamplingParams):
@@ -226,7 +228,8 @@ class Pipeline:
             while waiting or len(engine):
                 while waiting and free:
                     index, seat = waiting.popleft(), free.popleft()
-                    entry = engine.add(seat.stream(encoded[index], samplings[index], config), _ignore)
+                    generation = seat.stream(encoded[index], samplings[index], config, constraint=constraint)
+                    entry = engine.add(generation, _ignore)
                     running[id(entry)] = (index, seat)
                 for entry in engine.step():
                     index, seat = running.pop(id(entry))
