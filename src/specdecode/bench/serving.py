@@ -32,6 +32,7 @@ from rich.console import Console
 from rich.table import Table
 
 from specdecode.api import Pipeline
+from specdecode.backends.gather import DraftPasses
 from specdecode.backends.hf import LoadOptions
 from specdecode.backends.load import load_backend
 from specdecode.bench.tasks import build_tasks
@@ -39,7 +40,7 @@ from specdecode.defaults import resolve_models
 from specdecode.errors import SpecdecodeError
 from specdecode.generate import GenerationConfig
 from specdecode.sampling import SamplingParams
-from specdecode.scheduler import BatchEngine
+from specdecode.scheduler import BatchEngine, LoadRule
 from specdecode.strategies import DraftModelConfig
 
 DEFAULT_SYSTEMS = "threads,batched,batched:draft,batched:ngram-mod"
@@ -114,7 +115,7 @@ def run(args: argparse.Namespace) -> None:
     prompts = [target.tokenize(p) for p in build_tasks(["completion"], args.prompts)[0].prompts]
     config = GenerationConfig(n_predict=args.n_predict, ignore_eos=True)
     draft_config = DraftModelConfig(n_max=args.draft_max, p_min=args.draft_p_min)
-    pipelines = {name: _pipeline(name, target, draft, draft_config) for name in systems}
+    rule = LoadRule.timed(target.fork())
     console = Console()
     console.print(
         f"target {model}  draft {draft_dir}  device {args.device}  {args.n_predict} tokens a request"
@@ -124,7 +125,10 @@ def run(args: argparse.Namespace) -> None:
         requests = [prompts[i % len(prompts)] for i in range(concurrency * args.requests)]
         reference: list[list[int]] | None = None
         for name in systems:
-            level, answers = _measure(name, pipelines[name], requests, concurrency, config)
+            # A fresh pipeline per run: what the n-gram pools learned from the same prompts at
+            # another concurrency must not count here.
+            pipeline = _pipeline(name, target, draft, draft_config)
+            level, answers = _measure(name, pipeline, requests, concurrency, config, rule)
             if reference is None:
                 reference = answers
             level.exact = sum(a == b for a, b in zip(answers, reference, strict=True))
@@ -150,12 +154,21 @@ def _pipeline(name: str, target, draft, draft_config: DraftModelConfig) -> Pipel
 
 
 def _measure(
-    name: str, pipeline: Pipeline, requests: list[list[int]], concurrency: int, config: GenerationConfig
+    name: str,
+    pipeline: Pipeline,
+    requests: list[list[int]],
+    concurrency: int,
+    config: GenerationConfig,
+    rule: LoadRule,
 ) -> tuple[Level, list[list[int]]]:
-    seats = [pipeline.fork() for _ in range(concurrency)]
     if name == "threads":
-        return _threads(name, seats, requests, config)
-    return _batched(name, pipeline, seats, requests, config)
+        return _threads(name, [pipeline.fork() for _ in range(concurrency)], requests, config)
+    models = pipeline.draft is not None or pipeline.eagle3 is not None
+    passes = DraftPasses() if models else None
+    seats = [pipeline.fork(passes) for _ in range(concurrency)]
+    return _batched(
+        name, BatchEngine(rule if pipeline.spec_types else None, draft_passes=passes), seats, requests, config
+    )
 
 
 def _threads(
@@ -193,12 +206,11 @@ def _threads(
 
 
 def _batched(
-    name: str, pipeline: Pipeline, seats: list[Pipeline], requests: list[list[int]], config: GenerationConfig
+    name: str, engine: BatchEngine, seats: list[Pipeline], requests: list[list[int]], config: GenerationConfig
 ) -> tuple[Level, list[list[int]]]:
     """The batch engine over one seat per client; a finished request's seat takes the next."""
     passes: list[int] = []
-    rule = pipeline.load_rule() if pipeline.spec_types else None
-    engine = BatchEngine(rule, on_pass=lambda record: passes.append(record.sequences))
+    engine.on_pass = lambda record: passes.append(record.sequences)
     waiting = deque(range(len(requests)))
     free = deque(seats)
     running: dict[int, tuple[int, Pipeline, float]] = {}
