@@ -97,14 +97,13 @@ class LoadRule:
     def __init__(self, costs: CostModel) -> None:
         self.costs = costs
 
-    def max_draft(self, batch: int, acceptance: float, draft_seconds: float) -> int:
+    def max_draft(self, batch: int, acceptance: float, draft_seconds: float) -> int | None:
+        """The most draft tokens worth their price (None: no cap, every token pays)."""
         pass_time = self.costs.pass_time(batch)
         slope = max(0.0, self.costs.pass_time(batch + 1) - pass_time)
         price = (slope + draft_seconds) * batch / pass_time
-        if price <= 0.0:
-            return 1 << 16
-        if acceptance >= 1.0:
-            return 1 << 16 if price < 1.0 else 0
+        if price <= 0.0 or (acceptance >= 1.0 and price < 1.0):
+            return None
         if acceptance <= 0.0 or price >= 1.0:
             return 0
         return max(0, math.floor(math.log(price) / math.log(acceptance)))
@@ -215,9 +214,10 @@ class BatchEngine:
     def _plan(self, decoding: list[Entry]) -> list:
         """Every sequence's StepPlan (None: its context is full; an exception: it failed), in
         one round when the drafting models are batched; and what a drafted token cost."""
-        jobs = [partial(entry.generation.plan, self._cap(entry, len(decoding))) for entry in decoding]
+        caps = [self._cap(entry, len(decoding)) for entry in decoding]
+        jobs = [partial(entry.generation.plan, cap) for entry, cap in zip(decoding, caps, strict=True)]
         start = time.perf_counter()
-        if self.draft_passes is not None:
+        if self.draft_passes is not None and sum(cap != 0 for cap in caps) > 1:
             plans = self.draft_passes.round(jobs)
         else:
             plans = [_outcome(job) for job in jobs]
