@@ -24,7 +24,7 @@ from specdecode.backends.native import NativeBackend
 from specdecode.constraints import ConstraintSpec
 from specdecode.errors import SpecdecodeError
 from specdecode.policy import CostModel
-from specdecode.scheduler import BatchEngine, LoadRule
+from specdecode.scheduler import BatchEngine, LoadRule, SpeculationGate
 from specdecode.testing import make_llama, perturbed_copy
 
 GREEDY = SamplingParams(temperature=0)
@@ -394,3 +394,16 @@ def test_the_load_rule_shortens_drafts_as_the_batch_grows():
     assert rule.max_draft(4, 0.7, 0.002) < rule.max_draft(4, 0.7, 0.0)
     # Free rows: drafts are free too.
     assert line(0.01, 0.0).max_draft(64, 0.5, 0.0) is None
+
+
+def test_the_gate_drafts_while_drafting_steps_measure_faster():
+    gate = SpeculationGate()
+    assert gate.choose(8) is True  # drafting is tried first
+    gate.observe(8, True, tokens=20, seconds=0.1)  # 200 tokens/s
+    assert gate.choose(8) is False  # then plain
+    gate.observe(8, False, tokens=8, seconds=0.02)  # 400 tokens/s: plain wins
+    choices = [gate.choose(8) for _ in range(32)]
+    assert choices.count(True) == 2  # drafting tried again once in EXPLORE_EVERY steps only
+    gate.observe(8, True, tokens=600, seconds=0.1)  # drafting became far faster
+    assert gate.choose(8) is True
+    assert gate.choose(16) is True  # another batch size measures on its own

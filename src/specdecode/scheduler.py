@@ -8,7 +8,8 @@ them at once, what `Generation.step` does for one:
    is evaluated (prompts enter a chunk per step, so a long prompt does not stall the others);
 2. every decoding sequence drafts with its own chain (`Generation.plan`), capped by the
    `LoadRule`: the more rows share a pass, the dearer a draft token, so drafts shorten, and
-   vanish, as the batch grows;
+   vanish, as the batch grows; and the `SpeculationGate` lets a batch draft only while
+   drafting steps measure faster than plain ones;
 3. one target pass scores every sequence's rows (`evaluate_groups`);
 4. each sequence verifies, accepts and rolls back on its own (`Generation.finish`) and hands
    its chunk to its consumer; finished sequences leave, and new ones may join before the
@@ -41,6 +42,8 @@ ACCEPTANCE_WEIGHT = 4.0  # pseudo-observations behind a prior
 ACCEPTANCE_DECAY = 0.95  # older steps weigh less: the text changes
 PROBE_EVERY = 8  # a sequence kept from drafting this many steps may draft one token again
 DRAFT_COST_EMA = 0.2  # weight of the newest step in the drafting cost's moving average
+EXPLORE_EVERY = 16  # one step in this many tries the way the gate did not choose
+GATE_EMA = 0.2  # weight of the newest step in the gate's throughput averages
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +125,41 @@ class LoadRule:
         return cls(costs)
 
 
+class SpeculationGate:
+    """Whether a batch drafts at all this step, from the throughput its steps measured.
+
+    The load rule prices a draft token from a line of pass costs; what a drafting step really
+    costs also holds the drafting itself, verification and the work per sequence around the
+    pass, which no line of pass times sees (on a CPU where a batch of sequences already keeps
+    the cores busy, a verify row costs nearly what a sequence's token does). So the gate
+    measures, per batch size (by powers of two), a moving average of the tokens per second of
+    decode steps that drafted as the rule allowed and of steps that did not draft; a step
+    drafts when drafting steps have been the faster, and one step in EXPLORE_EVERY tries the
+    other way, so that both averages follow the text and the machine."""
+
+    def __init__(self) -> None:
+        self.rates: dict[tuple[int, bool], float] = {}  # (bucket, drafted) -> tokens/s
+        self.steps: dict[int, int] = {}
+
+    def choose(self, batch: int) -> bool:
+        """Draft in this step of `batch` sequences?"""
+        bucket = batch.bit_length()
+        self.steps[bucket] = step = self.steps.get(bucket, 0) + 1
+        drafting, plain = self.rates.get((bucket, True)), self.rates.get((bucket, False))
+        if drafting is None or plain is None:
+            return drafting is None  # each way once, drafting first
+        better = drafting >= plain
+        return better if step % EXPLORE_EVERY else not better
+
+    def observe(self, batch: int, drafted: bool, tokens: int, seconds: float) -> None:
+        if seconds <= 0.0:
+            return
+        key = (batch.bit_length(), drafted)
+        rate = tokens / seconds
+        old = self.rates.get(key)
+        self.rates[key] = rate if old is None else old + GATE_EMA * (rate - old)
+
+
 @dataclass
 class PassRecord:
     """One batched step, for metrics: how many sequences and rows shared the target pass."""
@@ -152,6 +190,7 @@ class BatchEngine:
         self.entries: list[Entry] = []
         self.draft_token_seconds = 0.0  # moving average: drafting time per drafted token
         self.counts = [0.0, 0.0]  # [kept, tried] draft tokens of every sequence, decayed
+        self.gate = SpeculationGate() if rule is not None else None
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -182,8 +221,17 @@ class BatchEngine:
                 return
 
     def _decode(self, decoding: list[Entry]) -> None:
+        batch = len(decoding)
+        drafting = self.gate is None or batch < 2 or self.gate.choose(batch)
+        began = time.perf_counter()
+        emitted = self._decode_step(decoding, drafting)
+        if self.gate is not None and batch >= 2:
+            self.gate.observe(batch, drafting, emitted, time.perf_counter() - began)
+
+    def _decode_step(self, decoding: list[Entry], drafting: bool) -> int:
+        """Plan, one shared pass, finish; returns the tokens emitted."""
         plans: list[tuple[Entry, StepPlan]] = []
-        for entry, plan in zip(decoding, self._plan(decoding), strict=True):
+        for entry, plan in zip(decoding, self._plan(decoding, drafting), strict=True):
             if isinstance(plan, BaseException):
                 entry.error = plan
             elif plan is not None:
@@ -191,7 +239,7 @@ class BatchEngine:
             else:  # the context is full: the generation has stopped
                 self._deliver(entry, entry.generation.final_chunk())
         if not plans:
-            return
+            return 0
         start = time.perf_counter()
         logits = self._score([plan for _, plan in plans])
         seconds = time.perf_counter() - start
@@ -200,21 +248,26 @@ class BatchEngine:
             self.rule.costs.observe_pass(rows, seconds)
         if self.on_pass is not None:
             self.on_pass(PassRecord(len(plans), rows, seconds))
+        emitted = 0
         for (entry, plan), scored in zip(plans, logits, strict=True):
             if isinstance(scored, BaseException):
                 entry.error = scored
                 continue
             chunk = self._guarded(entry, lambda e=entry, p=plan, s=scored: e.generation.finish(p, s, seconds))
             if chunk is not None:
-                entry.observe(len(plan.draft.tokens), chunk.n_accepted)
+                emitted += len(chunk.tokens)
+                if drafting:
+                    entry.observe(len(plan.draft.tokens), chunk.n_accepted)
                 if plan.draft.tokens:
                     self.counts = decayed(self.counts, len(plan.draft.tokens), chunk.n_accepted)
                 self._deliver(entry, chunk)
+        return emitted
 
-    def _plan(self, decoding: list[Entry]) -> list:
+    def _plan(self, decoding: list[Entry], drafting: bool) -> list:
         """Every sequence's StepPlan (None: its context is full; an exception: it failed), in
-        one round when the drafting models are batched; and what a drafted token cost."""
-        caps = [self._cap(entry, len(decoding)) for entry in decoding]
+        one round when the drafting models are batched; and what a drafted token cost.
+        drafting False: plain steps for all."""
+        caps = [self._cap(entry, len(decoding)) if drafting else 0 for entry in decoding]
         jobs = [partial(entry.generation.plan, cap) for entry, cap in zip(decoding, caps, strict=True)]
         start = time.perf_counter()
         if self.draft_passes is not None and sum(cap != 0 for cap in caps) > 1:
