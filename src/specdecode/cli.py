@@ -22,6 +22,7 @@ from specdecode.bench import drafting as bench_drafting
 from specdecode.bench import passes as bench_passes
 from specdecode.defaults import resolve_eagle3, resolve_models
 from specdecode.errors import SpecdecodeError, read_text_file
+from specdecode.export import add_export_parser
 from specdecode.generate import GenerationConfig
 from specdecode.loadtest import add_loadtest_parser
 from specdecode.lookup import add_lookup_parser
@@ -58,10 +59,13 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
         "-m",
         "--model",
         type=Path,
-        help="target model: a local Hugging Face directory (default: the bundled pair)",
+        help="target model: a local Hugging Face directory or a GGUF file (default: the bundled pair)",
     )
     group.add_argument(
-        "-md", "--model-draft", type=Path, help="draft model directory (enables --spec-type draft)"
+        "-md",
+        "--model-draft",
+        type=Path,
+        help="draft model directory or GGUF file (enables --spec-type draft)",
     )
     group.add_argument(
         "-me",
@@ -83,9 +87,17 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
         "--backend",
         default="auto",
         choices=BACKENDS,
-        help="model forward: native (lean, Llama-family models), hf (transformers'), auto (native "
-        "where it runs)",
+        help="model forward: native (lean, Llama-family models), hf (transformers'), llama.cpp "
+        "(GGUF files, with the llama-cpp extra), auto (llama.cpp for GGUF files where installed, "
+        "else native where it runs)",
     )
+    group.add_argument(
+        "-ngl",
+        "--gpu-layers",
+        type=int,
+        help="llama.cpp: layers on the GPU (default: all with --device cuda)",
+    )
+    group.add_argument("-ngld", "--gpu-layers-draft", type=int, help="llama.cpp: draft layers on the GPU")
     group.add_argument("-t", "--threads", type=int, help="CPU threads for the target")
     group.add_argument("-td", "--threads-draft", type=int, help="CPU threads for the draft (default: -t)")
 
@@ -256,7 +268,13 @@ def load_options(args: argparse.Namespace) -> tuple[LoadOptions, LoadOptions]:
         if value is not None and value < least:
             raise SpecdecodeError(f"{flag} must be >= {least}, not {value}")
     target = LoadOptions(
-        args.device, args.dtype, args.threads, args.ctx_size, args.batch_size, backend=args.backend
+        args.device,
+        args.dtype,
+        args.threads,
+        args.ctx_size,
+        args.batch_size,
+        backend=args.backend,
+        gpu_layers=args.gpu_layers,
     )
     draft = LoadOptions(
         args.device_draft or args.device,
@@ -265,6 +283,7 @@ def load_options(args: argparse.Namespace) -> tuple[LoadOptions, LoadOptions]:
         args.ctx_size_draft,
         args.batch_size,
         backend=args.backend,
+        gpu_layers=args.gpu_layers_draft if args.gpu_layers_draft is not None else args.gpu_layers,
     )
     return target, draft
 
@@ -388,6 +407,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.set_defaults(handler=run_serve)
     add_loadtest_parser(commands)
     add_lookup_parser(commands)
+    add_export_parser(commands)
     add_train_parser(commands)
     add_eval_parser(commands)
     bench_drafting.add_bench_draft_parser(commands)
