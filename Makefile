@@ -11,10 +11,15 @@ DEMO_PROMPT := import os\n\n\ndef read_lines(path):
 setup: $(VENV)/.installed
 
 # torch first, pinned: an unpinned torch would pull gigabytes of CUDA packages.
+# The llama-cpp extra compiles llama.cpp (a portable CPU build, without its tools): about
+# 10 CPU-minutes, once; pip keeps the wheel it builds for later installs.
+LLAMA_CPP_CMAKE := -DGGML_NATIVE=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF \
+	-DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev]'
+	CMAKE_ARGS="$(LLAMA_CPP_CMAKE)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
+		$(BIN)/pip install -q -e '.[dev,llama-cpp]'
 	touch $@
 
 # The bundled pair: a continuation with its speed and acceptance, then the quick benchmark.

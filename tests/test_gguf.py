@@ -3,7 +3,7 @@ reads it back into the native forward, and speculation over the loaded file is s
 
 - Round trip: an f32 file gives bit for bit the logits of the directory it came from, with the
   same tokenizer and vocabulary facts; Q8_0 is smaller and close.
-- Exactness: every strategy kind (a draft model chain and tree, n-grams) over GGUF target and
+- Exactness: each kind of strategy (a draft model's chain and tree, an n-gram pool) over GGUF target and
   draft equals plain generation over the same file, greedy and seeded `match`.
 - The commands: `export`, then generate and lookup on the files; bad input exits with 2.
 """
@@ -25,14 +25,14 @@ from specdecode.backends.native import NativeBackend
 from specdecode.cli import main
 from specdecode.errors import SpecdecodeError
 from specdecode.lookup import model_tokenizer
-from specdecode.strategies import NgramMapConfig, NgramModConfig, NgramSettings
+from specdecode.strategies import NgramModConfig, NgramSettings
 from specdecode.testing import save_model
 
 PROMPT_TEXT = "def wrap(text, width=70):\n    return"
 NATIVE32 = LoadOptions(dtype="float32", backend="native")
 NATIVE64 = LoadOptions(dtype="float64", backend="native")
-# Short n-grams: a tiny random model's output repeats 2-grams, rarely 12-grams.
-SHORT_NGRAMS = NgramSettings(simple=NgramMapConfig(2, 8), mod=NgramModConfig(2, 1, 8))
+# Short n-grams: a tiny random model's output repeats 2-grams, rarely 24-grams.
+SHORT_NGRAMS = NgramSettings(mod=NgramModConfig(2, 1, 8))
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +74,7 @@ def test_q8_0_file_is_smaller_and_close(pair):
 STRATEGIES = {
     "draft": (["draft"], DraftModelConfig()),
     "draft-tree": (["draft"], DraftModelConfig(n_max=6, p_min=0.0, p_split=0.05, n_parallel=3)),
-    "ngram-simple": (["ngram-simple"], DraftModelConfig()),
+    "ngram-mod": (["ngram-mod"], DraftModelConfig()),
     "ngram-mod+draft": (["ngram-mod", "draft"], DraftModelConfig()),
 }
 
