@@ -28,6 +28,7 @@ import torch
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
+from specdecode.backends import llama_cpp as backend
 from specdecode.backends.hf import check_model_directory, load_model_config, load_tokenizer
 from specdecode.backends.native import native_unsupported
 from specdecode.errors import SpecdecodeError
@@ -95,12 +96,10 @@ def export_gguf(directory: str | Path, out: str | Path, fmt: str = "f32") -> Pat
 
 def quantize_with_llama_cpp(source: Path, out: Path, fmt: str) -> None:
     """Requantize a GGUF file with llama.cpp's own quantizer (k-quants need it)."""
-    try:
-        import llama_cpp
-    except ImportError:
-        raise SpecdecodeError(
-            f"GGUF type {fmt} needs llama.cpp's quantizer: pip install 'specdecode[llama-cpp]'"
-        ) from None
+    if not backend.available():
+        raise SpecdecodeError(f"GGUF type {fmt} needs llama.cpp's quantizer: {backend.INSTALL_HINT}")
+    llama_cpp = backend.llama_cpp
+    backend.silence_logs()
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = {"q4_k": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M}[fmt]
     if llama_cpp.llama_model_quantize(str(source).encode(), str(out).encode(), params) != 0:

@@ -46,7 +46,7 @@ def _require() -> None:
         raise SpecdecodeError(f"the llama.cpp backend needs llama-cpp-python: {INSTALL_HINT}")
 
 
-def _silence() -> None:
+def silence_logs() -> None:
     """Route llama.cpp's log lines nowhere (load messages on every model otherwise)."""
     global _quiet_log
     if _quiet_log is None:
@@ -59,7 +59,7 @@ class LlamaModel:
 
     def __init__(self, path: Path, gpu_layers: int) -> None:
         _require()
-        _silence()
+        silence_logs()
         llama_cpp.llama_backend_init()
         params = llama_cpp.llama_model_default_params()
         params.n_gpu_layers = gpu_layers
@@ -89,6 +89,7 @@ class LlamaCppBackend:
     ) -> None:
         self.model = model
         self.name = name
+        self.device = torch.device("cpu")  # where logits arrive (llama.cpp places its layers itself)
         self.n_batch = n_batch
         self.threads = threads
         trained = llama_cpp.llama_model_n_ctx_train(model.pointer)
