@@ -45,11 +45,12 @@ def files(tmp_path_factory) -> dict[str, Path]:
     }
     for role in ("target", "draft"):
         paths[f"{role}.gguf"] = export_gguf(paths[role], root / f"{role}.gguf", "f32")
+        paths[f"{role}-q8_0.gguf"] = export_gguf(paths[role], root / f"{role}-q8_0.gguf", "q8_0")
     return paths
 
 
-def backend(files, role: str = "target") -> LlamaCppBackend:
-    return load_backend(files[f"{role}.gguf"], LLAMA)
+def backend(files, role: str = "target", fmt: str = "") -> LlamaCppBackend:
+    return load_backend(files[f"{role}{fmt}.gguf"], LLAMA)
 
 
 def test_the_ggufs_vocabulary_is_the_tokenizers(files):
@@ -119,6 +120,22 @@ def test_trees_past_the_sequences_are_refused(files):
         ours.evaluate_tree(list(range(3, 3 + MAX_SEQUENCES)), [-1] * MAX_SEQUENCES)
 
 
+def test_q8_0_rows_are_batch_invariant_and_a_committed_tree_is_plain_history(files):
+    """Q8_0 quantizes each activation row alone, so llama.cpp gives a row the same bits in any
+    pass; a committed tree path is then exactly what plain generation would have cached."""
+    ours, linear = backend(files, fmt="-q8_0"), backend(files, fmt="-q8_0")
+    together = ours.evaluate(PROMPT)
+    alone = torch.cat([linear.evaluate([token]) for token in PROMPT])
+    assert torch.equal(together, alone)
+    ours.evaluate_tree([40, 50, 41, 42], [-1, -1, 0, 2])
+    ours.evaluate_tree([43, 51], [3, 1])
+    ours.commit([0, 2, 3, 4])
+    assert ours.tokens == [*PROMPT, 40, 41, 42, 43]
+    for token in (40, 41, 42, 43):
+        linear.evaluate([token])
+    assert torch.equal(ours.evaluate([7, 8]), torch.cat([linear.evaluate([7]), linear.evaluate([8])]))
+
+
 STRATEGIES = {
     "draft": (["draft"], DraftModelConfig()),
     "draft-tree": (["draft"], DraftModelConfig(n_max=6, p_min=0.0, p_split=0.05, n_parallel=3)),
@@ -126,16 +143,17 @@ STRATEGIES = {
 }
 
 
+@pytest.mark.parametrize("fmt", ["", "-q8_0"])
 @pytest.mark.parametrize("name", STRATEGIES)
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_speculation_on_llama_cpp_equals_plain(files, exactness_log, name, temperature):
+def test_speculation_on_llama_cpp_equals_plain(files, exactness_log, name, temperature, fmt):
     spec_types, draft_config = STRATEGIES[name]
     sampling = SamplingParams(temperature=temperature, seed=5)
     config = GenerationConfig(n_predict=40, ignore_eos=True)
-    expected = Pipeline(backend(files), spec_types=[]).generate(PROMPT, sampling, config)
+    expected = Pipeline(backend(files, fmt=fmt), spec_types=[]).generate(PROMPT, sampling, config)
     pipeline = Pipeline(
-        backend(files),
-        backend(files, "draft"),
+        backend(files, fmt=fmt),
+        backend(files, "draft", fmt),
         spec_types=spec_types,
         draft_config=draft_config,
         ngram=NgramSettings(mod=NgramModConfig(1, 1, 8)),
@@ -145,7 +163,7 @@ def test_speculation_on_llama_cpp_equals_plain(files, exactness_log, name, tempe
     assert result.stats.totals.n_drafted > 0 or temperature > 0
     mode = "greedy" if temperature == 0 else "match"
     exactness_log.record(
-        f"gguf-llama.cpp/{name}-{mode}", name, result.stats, result.stats.stop_reason, "float32"
+        f"gguf-llama.cpp/{name}-{mode}", name, result.stats, result.stats.stop_reason, fmt[1:] or "f32"
     )
 
 

@@ -9,8 +9,9 @@ Token trees use sequences the way llama.cpp's own speculative example does. Pend
 sequence i + 1, and a cell belongs to every sequence that may see it: a node is decoded in the
 sequences of itself and its descendants in the same pass, and a node whose parent came in an
 earlier pass first joins its parent's sequence (`llama_memory_seq_cp`), which holds the prefix
-and every ancestor. `commit(path)` adds sequence 0 to the last path node's cells (the prefix and
-exactly the path, already at positions prefix, prefix + 1, ...) and drops all other sequences.
+and every ancestor. `commit(path)` drops the tree's cells and owes the path: its tokens are
+scored again as the first rows of the next pass, so that the cache holds every position in
+position order, as plain generation leaves it (see `commit`).
 """
 
 from __future__ import annotations
@@ -108,7 +109,8 @@ class LlamaCppBackend:
         self._size = int(llama_cpp.llama_vocab_n_tokens(model.vocab))
         self._batch_rows = int(params.n_batch)
         self._batch = llama_cpp.llama_batch_init(self._batch_rows, 0, MAX_SEQUENCES)
-        self._tokens: list[int] = []
+        self._tokens: list[int] = []  # ids of the cached positions, then the owed ones
+        self._owed: list[int] = []  # committed tree tokens not in the cache yet (see commit)
         self._tree = PendingTree()
         self._texts: list[str] | None = None
         self.vocab = self._vocab_info()
@@ -214,29 +216,37 @@ class LlamaCppBackend:
             )
         self._drop_tree()
         wanted = total if logits_rows is None else min(logits_rows, total)
-        first_wanted = total - wanted
-        rows: list[torch.Tensor] = []
+        owed = len(self._owed)
+        rows_in = [*self._owed, *(int(token) for token in ids)]
+        first_wanted = owed + total - wanted
+        self._owed.clear()
+        out: list[torch.Tensor] = []
+        position = len(self._tokens) - owed
         step = min(self.n_batch, self._batch_rows)
-        for start in range(0, total, step):
-            end = min(start + step, total)
-            position = len(self._tokens)
-            for row, token in enumerate(ids[start:end]):
-                self._set_row(row, int(token), position + row, (0,), start + row >= first_wanted)
-            outputs = self._decode(end - start)
-            self._tokens.extend(int(token) for token in ids[start:end])
+        for start in range(0, len(rows_in), step):
+            chunk = rows_in[start : start + step]
+            for row, token in enumerate(chunk):
+                self._set_row(row, token, position + start + row, (0,), start + row >= first_wanted)
+            outputs = self._decode(len(chunk))
             if len(outputs):
-                rows.append(outputs)
-        if not rows:
+                out.append(outputs)
+        self._tokens.extend(rows_in[owed:])
+        if not out:
             return torch.empty(0, self._size)
-        return torch.cat(rows) if len(rows) > 1 else rows[0]
+        return torch.cat(out) if len(out) > 1 else out[0]
 
     def truncate(self, n: int) -> None:
         n = max(0, n)
         self._drop_tree()
         if n >= len(self._tokens):
             return
-        if not llama_cpp.llama_memory_seq_rm(self._memory, 0, n, -1):
-            raise SpecdecodeError(f"{self.name}: llama.cpp cannot roll this model's cache back")
+        cached = len(self._tokens) - len(self._owed)
+        if n >= cached:
+            del self._owed[n - cached :]
+        else:
+            if not llama_cpp.llama_memory_seq_rm(self._memory, 0, n, -1):
+                raise SpecdecodeError(f"{self.name}: llama.cpp cannot roll this model's cache back")
+            self._owed.clear()
         del self._tokens[n:]
 
     def evaluate_tree(self, ids: Sequence[int], parents: Sequence[int]) -> torch.Tensor:
@@ -248,7 +258,7 @@ class LlamaCppBackend:
                 f"{self.name}: a token tree of more than {MAX_SEQUENCES - 1} nodes does not fit "
                 "llama.cpp's sequences here (use fewer draft tokens)"
             )
-        if len(ids) > self._batch_rows:
+        if len(self._owed) + len(ids) > self._batch_rows:
             raise SpecdecodeError(f"{self.name}: {len(ids)} tree nodes exceed the batch size")
         nodes = self._tree.add(ids, parents)
         first = nodes.start
@@ -262,17 +272,27 @@ class LlamaCppBackend:
             earlier = [ancestor for ancestor in self._tree.path(node) if ancestor < first]
             source = earlier[-1] + 1 if earlier else 0
             llama_cpp.llama_memory_seq_cp(self._memory, source, node + 1, -1, -1)
-        for row, node in enumerate(nodes):
+        # Owed path tokens (see commit) come first, seen by the committed sequence and every node.
+        owed, everyone = len(self._owed), [0, *(node + 1 for node in nodes)]
+        for row, token in enumerate(self._owed):
+            self._set_row(row, token, prefix - owed + row, everyone, False)
+        self._owed.clear()
+        for row, node in enumerate(nodes, start=owed):
             position = prefix + self._tree.depths[node] - 1
             self._set_row(row, self._tree.tokens[node], position, members[node], True)
-        return self._decode(len(ids))
+        return self._decode(owed + len(ids))
 
     def commit(self, path: Sequence[int]) -> None:
+        """The path joins the cached tokens, but its cache entries are dropped with the rest of
+        the tree and its tokens are owed: evaluated again as the first rows of the next pass.
+        Kept in place, the path's entries would sit in the cells the tree gave them, out of
+        position order, and llama.cpp's attention sums over cells in cell order: every later
+        row would round differently from plain generation's."""
         path = self._tree.check_path(path)
-        if path:
-            llama_cpp.llama_memory_seq_cp(self._memory, path[-1] + 1, 0, -1, -1)
-        self._tokens.extend(self._tree.tokens[node] for node in path)
+        tokens = [self._tree.tokens[node] for node in path]
         self._drop_tree()
+        self._tokens.extend(tokens)
+        self._owed.extend(tokens)
 
     def _drop_tree(self) -> None:
         if len(self._tree):
