@@ -194,3 +194,22 @@ def test_llama_cpp_refuses_what_it_cannot_run(files, tmp_path, capsys):
     assert "llama.cpp cannot load" in capsys.readouterr().err
     assert main(["generate", "-m", str(files["target.gguf"]), "-ngl", "4", "-p", "x", "-n", "2"]) == 2
     assert "no GPU" in capsys.readouterr().err
+
+
+def test_serve_answers_from_gguf_files(files):
+    """The server's slots fork the backend; its text routes use the file's own vocabulary."""
+    from fastapi.testclient import TestClient
+
+    from specdecode.server import ServerSettings, create_app
+
+    pipeline = Pipeline(backend(files), backend(files, "draft"), spec_types=["draft"])
+    plain = Pipeline(backend(files), spec_types=[]).generate(
+        "def wrap(", SamplingParams(temperature=0), GenerationConfig(n_predict=12)
+    )
+    with TestClient(create_app(pipeline, ServerSettings(model_id="gguf", parallel=2))) as client:
+        body = {"prompt": "def wrap(", "max_tokens": 12, "temperature": 0}
+        answer = client.post("/v1/completions", json=body)
+        assert answer.status_code == 200, answer.text[:300]
+        assert answer.json()["choices"][0]["text"] == plain.text
+        tokens = client.post("/tokenize", json={"content": TEXT}).json()["tokens"]
+        assert tokens == backend(files).tokenize(TEXT, add_special=False)

@@ -28,7 +28,6 @@ import torch
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
-from specdecode.backends import llama_cpp as backend
 from specdecode.backends.hf import check_model_directory, load_model_config, load_tokenizer
 from specdecode.backends.native import native_unsupported
 from specdecode.errors import SpecdecodeError
@@ -75,8 +74,10 @@ def export_gguf(directory: str | Path, out: str | Path, fmt: str = "f32") -> Pat
     if fmt in LLAMA_CPP_FORMATS:
         full = out.with_name(out.stem + ".f32.tmp.gguf")
         export_gguf(directory, full, "f32")
+        from specdecode.backends.llama_cpp import quantize  # llama_cpp imports this module
+
         try:
-            quantize_with_llama_cpp(full, out, fmt)
+            quantize(full, out, fmt)
         finally:
             full.unlink(missing_ok=True)
         return out
@@ -92,18 +93,6 @@ def export_gguf(directory: str | Path, out: str | Path, fmt: str = "f32") -> Pat
     writer.write_tensors_to_file()
     writer.close()
     return out
-
-
-def quantize_with_llama_cpp(source: Path, out: Path, fmt: str) -> None:
-    """Requantize a GGUF file with llama.cpp's own quantizer (k-quants need it)."""
-    if not backend.available():
-        raise SpecdecodeError(f"GGUF type {fmt} needs llama.cpp's quantizer: {backend.INSTALL_HINT}")
-    llama_cpp = backend.llama_cpp
-    backend.silence_logs()
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = {"q4_k": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M}[fmt]
-    if llama_cpp.llama_model_quantize(str(source).encode(), str(out).encode(), params) != 0:
-        raise SpecdecodeError(f"llama.cpp could not quantize {source} to {fmt}")
 
 
 def _write_hyperparameters(writer: gguf.GGUFWriter, config, name: str, file_type) -> None:

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from specdecode.backends import VocabInfo
+from specdecode.backends.gguf_files import load_gguf_tokenizer
 from specdecode.backends.tree import PendingTree, check_tree_room
 from specdecode.errors import SpecdecodeError
 
@@ -55,6 +56,17 @@ def silence_logs() -> None:
         llama_cpp.llama_log_set(_quiet_log, ctypes.c_void_p(0))
 
 
+def quantize(source: Path, out: Path, fmt: str) -> None:
+    """Requantize a GGUF file with llama.cpp's own quantizer (k-quants need it)."""
+    if llama_cpp is None:
+        raise SpecdecodeError(f"GGUF type {fmt} needs llama.cpp's quantizer: {INSTALL_HINT}")
+    silence_logs()
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = {"q4_k": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M}[fmt]
+    if llama_cpp.llama_model_quantize(str(source).encode(), str(out).encode(), params) != 0:
+        raise SpecdecodeError(f"llama.cpp could not quantize {source} to {fmt}")
+
+
 class LlamaModel:
     """A loaded GGUF model (weights and vocabulary), shared by the contexts forked from it."""
 
@@ -69,6 +81,16 @@ class LlamaModel:
             raise SpecdecodeError(f"llama.cpp cannot load {path} (not a model file it knows)")
         self.vocab = llama_cpp.llama_model_get_vocab(self.pointer)
         self.path = path
+        self._tokenizer = None
+
+    @property
+    def tokenizer(self):
+        """The file's vocabulary as a transformers tokenizer, built on first use: what the
+        server's chat templates and text routes work with (the same ids as llama.cpp's on
+        files `specdecode export` writes)."""
+        if self._tokenizer is None:
+            self._tokenizer = load_gguf_tokenizer(self.path)
+        return self._tokenizer
 
     def __del__(self) -> None:
         if getattr(self, "pointer", None) and llama_cpp is not None:
@@ -150,6 +172,10 @@ class LlamaCppBackend:
     @property
     def tokens(self) -> list[int]:
         return self._tokens
+
+    @property
+    def tokenizer(self):
+        return self.model.tokenizer
 
     # Vocabulary: the GGUF's own, through llama.cpp's tokenizer.
 
