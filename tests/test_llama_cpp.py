@@ -213,3 +213,15 @@ def test_serve_answers_from_gguf_files(files):
         assert answer.json()["choices"][0]["text"] == plain.text
         tokens = client.post("/tokenize", json={"content": TEXT}).json()["tokens"]
         assert tokens == backend(files).tokenize(TEXT, add_special=False)
+
+
+def test_bench_runs_every_system_on_gguf_files(files, tmp_path, capsys):
+    out = tmp_path / "results"
+    argv = ["bench", "--quick", "-m", str(files["target.gguf"]), "-md", str(files["draft.gguf"])]
+    assert main([*argv, "-n", "12", "-t", "1", "--no-plots", "--tasks", "completion", "--out", str(out)]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert not any(name.startswith("hf-") for name in results["systems"])  # transformers' generate: no
+    assert {"plain", "draft", "ngram-mod", "draft-tree"} <= set(results["systems"])
+    assert all(row["exact_match_rate"] == 1.0 for row in results["rows"])
+    assert main([*argv, "--systems", "plain,hf-plain", "--out", str(out)]) == 2
+    assert "needs models in PyTorch" in capsys.readouterr().err
