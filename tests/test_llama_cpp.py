@@ -28,7 +28,7 @@ from specdecode.strategies import NgramModConfig, NgramSettings
 from specdecode.strategies.base import path_to
 from specdecode.testing import save_model
 
-pytest.importorskip("llama_cpp")
+llama_cpp = pytest.importorskip("llama_cpp")
 
 TEXT = "def wrap(text, width=70):\n    <|eos|> return [line for line in text]"
 PROMPT = list(range(5, 17)) * 3
@@ -192,8 +192,13 @@ def test_llama_cpp_refuses_what_it_cannot_run(files, tmp_path, capsys):
     bad.write_bytes(b"GGUF" + b"\0" * 64)
     assert main(["generate", "--backend", "llama.cpp", "-m", str(bad), "-p", "x", "-n", "2"]) == 2
     assert "llama.cpp cannot load" in capsys.readouterr().err
-    assert main(["generate", "-m", str(files["target.gguf"]), "-ngl", "4", "-p", "x", "-n", "2"]) == 2
-    assert "no GPU" in capsys.readouterr().err
+    if not llama_cpp.llama_supports_gpu_offload():  # a CPU build
+        assert main(["generate", "-m", str(files["target.gguf"]), "-ngl", "4", "-p", "x", "-n", "2"]) == 2
+        assert "no GPU" in capsys.readouterr().err
+    assert (
+        main(["generate", "-m", str(files["target.gguf"]), "--dtype", "float64", "-p", "x", "-n", "2"]) == 2
+    )
+    assert "file's own weight types" in capsys.readouterr().err
 
 
 def test_serve_answers_from_gguf_files(files):

@@ -142,6 +142,11 @@ class LlamaCppBackend:
         """Load a GGUF file with the LoadOptions the other backends take (dtype is the file's)."""
         _require()
         path = Path(path)
+        if options.dtype != "auto":
+            raise SpecdecodeError(
+                f"{path.name}: llama.cpp computes in the file's own weight types; --dtype {options.dtype} "
+                "applies to the PyTorch backends (--backend native)"
+            )
         if options.device != "cpu" and not llama_cpp.llama_supports_gpu_offload():
             raise SpecdecodeError(f"device {options.device} asked for, but this llama.cpp build has no GPU")
         gpu_layers = options.gpu_layers
