@@ -2,10 +2,11 @@
 
     python -m specdecode.bench.llama_loop -m target.gguf [-n 128] [-t 1]
 
-1. Plain generation, greedy, three ways over the same GGUF file and prompt: llama.cpp's own
-   loop through the C API (decode one token, argmax over its logits view, nothing else), our
-   LlamaCppBackend.evaluate in a bare loop, and our whole generation loop (`Pipeline` with no
-   strategy: sampler, stop checks, stats). The ratios are the overhead of each layer per token.
+1. Plain generation, greedy, three ways over the same GGUF file and prompt, in alternated
+   rounds (medians): llama.cpp's own loop through the C API (decode one token, argmax over
+   its logits view, nothing else), our LlamaCppBackend.evaluate in a bare loop, and our whole
+   generation loop (`Pipeline` with no strategy: sampler, stop checks, stats). The ratios are
+   the overhead of each layer per token.
 2. Row agreement: the logits of k-row passes (a verify pass's shape) against the same rows
    scored one at a time, over the generated text: exact-equality and argmax-agreement rates.
 """
@@ -79,20 +80,26 @@ def main() -> None:
     parser.add_argument("-n", "--n-predict", type=int, default=128)
     parser.add_argument("-t", "--threads", type=int, default=1)
     parser.add_argument("-k", type=int, default=8, help="rows per pass in the agreement check")
+    parser.add_argument("--rounds", type=int, default=5, help="alternated runs of each loop (median)")
     args = parser.parse_args()
     options = LoadOptions(backend="llama.cpp", threads=args.threads, n_ctx=1024)
     backend = LlamaCppBackend.load(args.model, options)
     prompt = backend.tokenize(PROMPT)
     raw_llama_cpp(backend, prompt, 8)  # warm-up
-    raw, raw_s = raw_llama_cpp(backend, prompt, args.n_predict)
-    ours, ours_s = backend_loop(backend, prompt, args.n_predict)
     pipeline = Pipeline(backend, spec_types=[])
     config = GenerationConfig(n_predict=args.n_predict, ignore_eos=True)
-    start = time.perf_counter()
-    result = pipeline.generate(prompt, SamplingParams(temperature=0), config)
-    loop_s = time.perf_counter() - start
+    times: dict[str, list[float]] = {"raw": [], "ours": [], "loop": []}
+    for _ in range(args.rounds):  # alternated, so that a busy moment hits all three alike
+        raw, seconds = raw_llama_cpp(backend, prompt, args.n_predict)
+        times["raw"].append(seconds)
+        ours, seconds = backend_loop(backend, prompt, args.n_predict)
+        times["ours"].append(seconds)
+        start = time.perf_counter()
+        result = pipeline.generate(prompt, SamplingParams(temperature=0), config)
+        times["loop"].append(time.perf_counter() - start)
+    raw_s, ours_s, loop_s = (float(np.median(times[key])) for key in ("raw", "ours", "loop"))
     n = args.n_predict
-    print(f"{args.model.name}: {n} tokens, {args.threads} thread(s)")
+    print(f"{args.model.name}: {n} tokens, {args.threads} thread(s), median of {args.rounds} alternated runs")
     for name, seconds in (
         ("llama.cpp C API loop", raw_s),
         ("backend.evaluate loop", ours_s),
