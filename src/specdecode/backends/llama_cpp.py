@@ -22,9 +22,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from specdecode.backends import VocabInfo
 from specdecode.backends.gguf_files import load_gguf_tokenizer
+from specdecode.backends.hf import LoadOptions
 from specdecode.backends.tree import PendingTree, check_tree_room
 from specdecode.errors import SpecdecodeError
 
@@ -84,7 +86,7 @@ class LlamaModel:
         self._tokenizer = None
 
     @property
-    def tokenizer(self):
+    def tokenizer(self) -> PreTrainedTokenizerBase:
         """The file's vocabulary as a transformers tokenizer, built on first use: what the
         server's chat templates and text routes work with (the same ids as llama.cpp's on
         files `specdecode export` writes)."""
@@ -138,7 +140,7 @@ class LlamaCppBackend:
         self.vocab = self._vocab_info()
 
     @classmethod
-    def load(cls, path: str | Path, options) -> LlamaCppBackend:
+    def load(cls, path: str | Path, options: LoadOptions) -> LlamaCppBackend:
         """Load a GGUF file with the LoadOptions the other backends take (dtype is the file's)."""
         _require()
         path = Path(path)
@@ -179,7 +181,7 @@ class LlamaCppBackend:
         return self._tokens
 
     @property
-    def tokenizer(self):
+    def tokenizer(self) -> PreTrainedTokenizerBase:
         return self.model.tokenizer
 
     # Vocabulary: the GGUF's own, through llama.cpp's tokenizer.
