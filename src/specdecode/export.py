@@ -30,17 +30,18 @@ def add_export_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
     parser = subparsers.add_parser(
         "export",
         help="write the target (and draft) as GGUF files for the llama.cpp backend",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--format", choices=["gguf"], default="gguf", help="file format")
+    parser.add_argument("--format", choices=["gguf"], default="gguf", help="file format (gguf)")
     parser.add_argument(
         "--type",
         choices=[*FORMATS, *LLAMA_CPP_FORMATS],
         default="f32",
-        help="weight type (q4_k: llama.cpp's quantizer, from the llama-cpp extra)",
+        help="weight type, f32 by default (q4_k: llama.cpp's quantizer, from the llama-cpp extra)",
     )
     parser.add_argument("-m", "--model", type=Path, help="target directory (default: the bundled pair)")
     parser.add_argument("-md", "--model-draft", type=Path, help="draft directory")
-    parser.add_argument("-o", "--out", type=Path, default=Path("build/gguf"), help="output directory")
+    parser.add_argument(
+        "-o", "--out", type=Path, default=Path("build/gguf"), help="output directory (build/gguf)"
+    )
     parser.set_defaults(handler=_run_export)
     return parser
