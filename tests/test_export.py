@@ -22,15 +22,10 @@ from speculators import SpeculatorModelConfig
 from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
 
 from specdecode import GenerationConfig, Pipeline, SamplingParams
+from specdecode.backends.gguf_files import export_gguf, load_gguf_model
 from specdecode.cli import main
 from specdecode.export.engines import write_speculators
-from specdecode.export.gguf import (
-    interleave_rows,
-    read_head_gguf,
-    read_model_gguf,
-    write_head_gguf,
-    write_model_gguf,
-)
+from specdecode.export.gguf import interleave_rows, read_head_gguf, write_head_gguf
 from specdecode.strategies.eagle3_checkpoint import load_head, save_head
 from specdecode.strategies.eagle3_layouts import layer_reading
 from specdecode.testing import perturbed_copy, save_model
@@ -216,7 +211,7 @@ def test_rotary_rows_are_interleaved_per_head_as_llama_cpp_expects():
 def test_model_gguf_holds_the_model_and_its_tokenizer(tmp_path):
     model = float32_target()
     directory = save_model(tmp_path / "target", model, cached_tokenizer())
-    path = write_model_gguf(directory, tmp_path / "target.gguf")
+    path = export_gguf(directory, tmp_path / "target.gguf")
     reader = gguf.GGUFReader(path)
     fields = {name: field.contents() for name, field in reader.fields.items()}
     assert fields["general.architecture"] == "llama" and fields["llama.block_count"] == 4
@@ -227,7 +222,7 @@ def test_model_gguf_holds_the_model_and_its_tokenizer(tmp_path):
     assert len(fields["tokenizer.ggml.merges"]) > 0
     names = {t.name for t in reader.tensors}
     assert {"token_embd.weight", "blk.3.attn_q.weight", "output_norm.weight", "output.weight"} <= names
-    back = read_model_gguf(path).state_dict()
+    back = load_gguf_model(path, torch.float32)[0].state_dict()
     for name, value in model.state_dict().items():
         assert torch.equal(back[name], value), name
 
@@ -282,7 +277,7 @@ def test_export_writes_every_engine_and_prints_its_commands(zoo, trio, tmp_path,
     from_gguf = read_head_gguf(out / "llama.cpp/eagle3.gguf", target_backend).config
     expected = as_saved(eagle3_head().config)
     assert replace(from_gguf, rms_norm_eps=expected.rms_norm_eps) == expected  # GGUF keeps float32
-    assert read_model_gguf(out / "llama.cpp/draft.gguf").config.num_hidden_layers == 4
+    assert load_gguf_model(out / "llama.cpp/draft.gguf", torch.float32)[0].config.num_hidden_layers == 4
 
 
 @pytest.mark.parametrize(

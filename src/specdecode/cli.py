@@ -75,10 +75,13 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
         "-m",
         "--model",
         type=Path,
-        help="target model: a local Hugging Face directory (default: the bundled pair)",
+        help="target model: a local Hugging Face directory or a GGUF file (default: the bundled pair)",
     )
     group.add_argument(
-        "-md", "--model-draft", type=Path, help="draft model directory (enables --spec-type draft)"
+        "-md",
+        "--model-draft",
+        type=Path,
+        help="draft model directory or GGUF file (enables --spec-type draft)",
     )
     group.add_argument(
         "-me",
@@ -108,9 +111,17 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
         "--backend",
         default="auto",
         choices=BACKENDS,
-        help="model forward: native (lean, Llama-family models), hf (transformers'), auto (native "
-        "where it runs)",
+        help="model forward: native (lean, Llama-family models), hf (transformers'), llama.cpp "
+        "(GGUF files, with the llama-cpp extra), auto (llama.cpp for GGUF files where installed, "
+        "else native where it runs)",
     )
+    group.add_argument(
+        "-ngl",
+        "--gpu-layers",
+        type=int,
+        help="llama.cpp: layers on the GPU (default: all with --device cuda)",
+    )
+    group.add_argument("-ngld", "--gpu-layers-draft", type=int, help="llama.cpp: draft layers on the GPU")
     group.add_argument("-t", "--threads", type=int, help="CPU threads for the target")
     group.add_argument("-td", "--threads-draft", type=int, help="CPU threads for the draft (default: -t)")
 
@@ -281,7 +292,13 @@ def load_options(args: argparse.Namespace) -> tuple[LoadOptions, LoadOptions]:
         if value is not None and value < least:
             raise SpecdecodeError(f"{flag} must be >= {least}, not {value}")
     target = LoadOptions(
-        args.device, args.dtype, args.threads, args.ctx_size, args.batch_size, backend=args.backend
+        args.device,
+        args.dtype,
+        args.threads,
+        args.ctx_size,
+        args.batch_size,
+        backend=args.backend,
+        gpu_layers=args.gpu_layers,
     )
     draft = LoadOptions(
         args.device_draft or args.device,
@@ -290,6 +307,7 @@ def load_options(args: argparse.Namespace) -> tuple[LoadOptions, LoadOptions]:
         args.ctx_size_draft,
         args.batch_size,
         backend=args.backend,
+        gpu_layers=args.gpu_layers_draft if args.gpu_layers_draft is not None else args.gpu_layers,
     )
     return target, draft
 

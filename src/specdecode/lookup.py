@@ -26,7 +26,9 @@ from pathlib import Path
 
 from transformers import PreTrainedTokenizerBase
 
+from specdecode.backends.gguf_files import is_gguf, load_gguf_tokenizer
 from specdecode.backends.hf import load_tokenizer
+from specdecode.defaults import resolve_models
 from specdecode.errors import SpecdecodeError, read_text_file
 from specdecode.strategies.ngram_cache import (
     NGRAM_MAX,
@@ -180,11 +182,17 @@ def _run_create(args: argparse.Namespace) -> None:
     output = args.lookup_cache_static
     if output.exists() and args.file.exists() and os.path.samefile(output, args.file):
         raise SpecdecodeError(f"-lcs {output} is the same file as the corpus -f: it would be overwritten")
-    cache = create(load_tokenizer(args.model), read_text_file(args.file, "text file"))
+    cache = create(model_tokenizer(args.model), read_text_file(args.file, "text file"))
     if not cache:
         raise SpecdecodeError(f"{args.file} is too short: fewer than 3 tokens, so no 2-gram has a follower")
     save(cache, args.lookup_cache_static)
     print(f"{len(cache)} 2-grams -> {args.lookup_cache_static}", file=sys.stderr)
+
+
+def model_tokenizer(model: Path | None) -> PreTrainedTokenizerBase:
+    """The tokenizer of -m (a model directory or a GGUF file), the bundled target's without -m."""
+    target, _ = resolve_models(model, None)
+    return load_gguf_tokenizer(target) if is_gguf(target) else load_tokenizer(target)
 
 
 def _run_merge(args: argparse.Namespace) -> None:
@@ -196,7 +204,7 @@ def _run_merge(args: argparse.Namespace) -> None:
 
 
 def _run_stats(args: argparse.Namespace) -> None:
-    tokens = tokenize(load_tokenizer(args.model), read_text_file(args.file, "text file"))
+    tokens = tokenize(model_tokenizer(args.model), read_text_file(args.file, "text file"))
     start = time.perf_counter()
     static = load(args.lookup_cache_static) if args.lookup_cache_static else None
     dynamic = None
@@ -210,10 +218,10 @@ def add_lookup_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
     """Register `lookup create|merge|stats`; each sets `handler` (called by cli.main)."""
     lookup = subparsers.add_parser("lookup", help="n-gram cache files for --spec-type ngram-cache")
     tools = lookup.add_subparsers(dest="lookup_command", required=True)
-    model_help = "model directory (only its tokenizer is read)"
+    model_help = "model directory or GGUF file, only its tokenizer is read (default: the bundled target)"
 
     create_p = tools.add_parser("create", help="static cache of a text corpus (2-grams)")
-    create_p.add_argument("-m", "--model", type=Path, required=True, help=model_help)
+    create_p.add_argument("-m", "--model", type=Path, help=model_help)
     create_p.add_argument("-f", "--file", type=Path, required=True, help="the text corpus")
     create_p.add_argument("-lcs", "--lookup-cache-static", type=Path, required=True, help="output cache file")
     create_p.set_defaults(handler=_run_create)
@@ -227,7 +235,7 @@ def add_lookup_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
         help="simulated ngram-cache drafting on a text, no model run",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    stats_p.add_argument("-m", "--model", type=Path, required=True, help=model_help)
+    stats_p.add_argument("-m", "--model", type=Path, help=model_help)
     stats_p.add_argument("-f", "--file", type=Path, required=True, help="the text to replay")
     stats_p.add_argument("-c", "--ctx-size", type=int, default=512, help="tokens per replayed chunk")
     stats_p.add_argument("--draft-max", "--spec-draft-n-max", type=int, default=16, help="draft length")

@@ -45,6 +45,7 @@ class LoadOptions:
     n_ctx: int = 0
     n_batch: int = 512
     backend: str = "auto"  # "auto": native for the model types it runs, else "hf" (see load_backend)
+    gpu_layers: int | None = None  # llama.cpp: layers offloaded to the GPU (None: all on a GPU device)
 
     def __post_init__(self) -> None:
         if self.n_ctx < 0:
@@ -53,6 +54,8 @@ class LoadOptions:
             raise SpecdecodeError(f"the batch size must be >= 1, not {self.n_batch}")
         if self.threads is not None and self.threads < 1:
             raise SpecdecodeError(f"the thread count must be >= 1, not {self.threads}")
+        if self.gpu_layers is not None and self.gpu_layers < 0:
+            raise SpecdecodeError(f"the GPU layer count must be >= 0, not {self.gpu_layers}")
 
 
 class HFBackend:

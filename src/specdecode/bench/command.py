@@ -149,7 +149,11 @@ def run_bench(
     names = (
         [name.strip().replace("+", ",") for name in args.systems.split(",")]
         if args.systems
-        else system_names(draft is not None, include_hf=not args.no_hf, has_eagle3=eagle3 is not None)
+        else system_names(
+            draft is not None,
+            include_hf=not args.no_hf and isinstance(target, HFBackend),  # not on llama.cpp's kernels
+            has_eagle3=eagle3 is not None,
+        )
     )
     systems = build_systems(names, target, draft, draft_config, ngram, eagle3)
     for task in tasks:

@@ -91,6 +91,8 @@ class HFSystem:
     family = "hf"
 
     def __init__(self, name: str, target: HFBackend, assistant: HFBackend | None = None, **options) -> None:
+        if not all(isinstance(model, HFBackend) for model in (target, assistant) if model is not None):
+            raise SpecdecodeError(f"{name} runs transformers' generate: it needs models in PyTorch, not GGUF")
         self.name = name
         self.model = target.model
         self.assistant = assistant.model if assistant is not None else None

@@ -17,6 +17,7 @@ import json
 import sys
 from pathlib import Path
 
+from specdecode.backends.gguf_files import FORMATS, LLAMA_CPP_FORMATS, export_gguf
 from specdecode.backends.hf import LoadOptions, load_model_config
 from specdecode.backends.load import load_backend
 from specdecode.defaults import resolve_eagle3, resolve_models
@@ -29,7 +30,7 @@ from specdecode.export.engines import (
     write_sglang,
     write_speculators,
 )
-from specdecode.export.gguf import TYPES, check_model_gguf, write_head_gguf, write_model_gguf
+from specdecode.export.gguf import TYPES, check_model_gguf, write_head_gguf
 from specdecode.strategies.eagle3_checkpoint import load_head
 
 ENGINES = ("vllm", "sglang", "llama.cpp")
@@ -87,12 +88,13 @@ def run_export(args: argparse.Namespace) -> None:
             served.append(sglang_command(target_dir, "draft", draft_dir, k))
     if "llama.cpp" in engines:
         gguf_dir = out / "llama.cpp"
-        target_gguf = write_model_gguf(target_dir, gguf_dir / "target.gguf", args.gguf_type)
+        target_gguf = export_gguf(target_dir, gguf_dir / "target.gguf", args.gguf_type)
+        head_type = args.gguf_type if args.gguf_type in TYPES else "f32"  # a head is not quantized
         if head is not None:
-            head_gguf = write_head_gguf(head, target_dir, gguf_dir / "eagle3.gguf", args.gguf_type)
+            head_gguf = write_head_gguf(head, target_dir, gguf_dir / "eagle3.gguf", head_type)
             served.append(llama_server_command(target_gguf, "eagle3", head_gguf, k))
         if draft_dir is not None:
-            draft_gguf = write_model_gguf(draft_dir, gguf_dir / "draft.gguf", args.gguf_type)
+            draft_gguf = export_gguf(draft_dir, gguf_dir / "draft.gguf", args.gguf_type)
             served.append(llama_server_command(target_gguf, "draft", draft_gguf, k))
     lines = [f"# {s.engine}, {s.drafter}\n{s.line()}" for s in served]
     out.mkdir(parents=True, exist_ok=True)
@@ -128,7 +130,11 @@ def add_export_parser(subparsers: argparse._SubParsersAction) -> None:
         "--draft-max", type=int, default=3, help="tokens drafted per step in the commands written (default 3)"
     )
     parser.add_argument(
-        "--gguf-type", choices=list(TYPES), default="f32", help="GGUF weight type (default f32)"
+        "--gguf-type",
+        choices=[*FORMATS, *LLAMA_CPP_FORMATS],
+        default="f32",
+        help="GGUF weight type of the target and draft (default f32; q4_k: llama.cpp's quantizer, "
+        "from the llama-cpp extra); the head is written in f32 when quantized types are asked",
     )
     parser.add_argument(
         "--eagle3-layer-offset",

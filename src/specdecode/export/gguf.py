@@ -1,17 +1,19 @@
-"""GGUF files for llama.cpp, written and read with the `gguf` package (llama.cpp's own gguf-py).
+"""The EAGLE-3 head as a GGUF file for llama.cpp, written and read with the `gguf` package.
 
-* `write_model_gguf`: a Llama-family Hugging Face directory (the target or a draft) as a GGUF of
-  arch `llama`, named as llama.cpp's converter names it (`gguf.get_tensor_name_map`), with its
-  byte-level BPE tokenizer (`tokenizer.ggml.model` "gpt2"). llama.cpp applies rotary embeddings
-  to interleaved pairs where Hugging Face rotates halves, so Q and K rows are reordered per
-  head (`interleave_rows`), as its converter does.
+The target and the draft are written by `specdecode.backends.gguf_files.export_gguf` (the
+files the llama.cpp backend runs); this module adds what llama.cpp's speculative EAGLE-3
+needs beside them:
+
 * `write_head_gguf`: an EAGLE-3 head as arch `eagle3`: `eagle3.target_layers` (inputs of target
   layers, llama.cpp's reading), `eagle3.target_hidden_size`, the decoder layer as block 0
   (`attn_norm` on the token embedding, `attn_norm_2` the hidden norm on g), `d2t` as absolute
-  int64 target ids, and the target's tokenizer.
+  int64 target ids, and the target's tokenizer. llama.cpp applies rotary embeddings to
+  interleaved pairs where Hugging Face rotates halves, so Q and K rows are reordered per head
+  (`interleave_rows`), as its converter does.
+* `check_model_gguf`: whether a model directory can be written (checked before anything is).
 
-`read_model_gguf` and `read_head_gguf` invert both, so an export is checked by reading it back
-with gguf's reader and drafting from what it holds.
+`read_head_gguf` inverts the head's file, so an export is checked by reading it back with
+gguf's reader and drafting from what it holds.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import gguf
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from specdecode.backends import Backend, hidden_state_source
 from specdecode.backends.hf import check_model_directory, load_model_config, load_tokenizer
@@ -123,49 +125,6 @@ def _add_tokenizer(writer: GGUFWriter, tokenizer: PreTrainedTokenizerBase, where
     writer.add_add_bos_token(adds_bos)
 
 
-def write_model_gguf(model_dir: Path, out: Path, kind: str = "f32") -> Path:
-    """A Llama-family Hugging Face directory (target or draft) as one GGUF file for llama.cpp."""
-    where = f"GGUF export of {model_dir}"
-    check_model_gguf(model_dir)
-    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    c = model.config
-    heads, kv_heads = c.num_attention_heads, c.num_key_value_heads or c.num_attention_heads
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
-    rope = getattr(c, "rope_parameters", None) or {}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    writer = GGUFWriter(out, "llama")
-    writer.add_name(model_dir.name)
-    writer.add_vocab_size(c.vocab_size)
-    writer.add_context_length(c.max_position_embeddings)
-    writer.add_embedding_length(c.hidden_size)
-    writer.add_block_count(c.num_hidden_layers)
-    writer.add_feed_forward_length(c.intermediate_size)
-    writer.add_head_count(heads)
-    writer.add_head_count_kv(kv_heads)
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
-    writer.add_rope_dimension_count(head_dim)
-    writer.add_rope_freq_base(float(rope.get("rope_theta") or getattr(c, "rope_theta", None) or 10000.0))
-    writer.add_layer_norm_rms_eps(float(c.rms_norm_eps))
-    writer.add_file_type(FILE_TYPES[kind])
-    _add_tokenizer(writer, load_tokenizer(model_dir), where)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, c.num_hidden_layers)
-    tied = bool(c.tie_word_embeddings)
-    for name, tensor in model.state_dict().items():
-        if tied and name == "lm_head.weight":
-            continue  # llama.cpp falls back to token_embd when output is absent
-        if name.endswith("q_proj.weight"):
-            tensor = interleave_rows(tensor, heads)
-        elif name.endswith("k_proj.weight"):
-            tensor = interleave_rows(tensor, kv_heads)
-        target = names.get_name(name, try_suffixes=(".weight",))
-        if target is None:
-            raise SpecdecodeError(f"{where}: no GGUF name for tensor {name}")
-        _add_tensor(writer, target, tensor, kind)
-    _write(writer)
-    return out
-
-
 def write_head_gguf(head: Eagle3Head, target_dir: Path, out: Path, kind: str = "f32") -> Path:
     """An EAGLE-3 head as a GGUF of arch eagle3, with the target's tokenizer."""
     c = head.config
@@ -219,43 +178,6 @@ def _tensors(reader: GGUFReader) -> dict[str, torch.Tensor]:
         shape = tuple(int(n) for n in reversed(t.shape))
         out[t.name] = torch.from_numpy(np.array(data, dtype=np.float32).reshape(shape))
     return out
-
-
-def read_model_gguf(path: Path) -> LlamaForCausalLM:
-    """A Llama GGUF written by `write_model_gguf` as a transformers model (float32)."""
-    reader = GGUFReader(path)
-    kv, tensors = _fields(reader), _tensors(reader)
-    heads, kv_heads = kv["llama.attention.head_count"], kv["llama.attention.head_count_kv"]
-    config = LlamaConfig(
-        vocab_size=kv["llama.vocab_size"],
-        hidden_size=kv["llama.embedding_length"],
-        intermediate_size=kv["llama.feed_forward_length"],
-        num_hidden_layers=kv["llama.block_count"],
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        head_dim=kv["llama.attention.key_length"],
-        max_position_embeddings=kv["llama.context_length"],
-        rms_norm_eps=kv["llama.attention.layer_norm_rms_epsilon"],
-        rope_parameters={"rope_type": "default", "rope_theta": kv["llama.rope.freq_base"]},
-        tie_word_embeddings="output.weight" not in tensors,
-        bos_token_id=kv.get("tokenizer.ggml.bos_token_id"),
-        eos_token_id=kv.get("tokenizer.ggml.eos_token_id"),
-        pad_token_id=kv.get("tokenizer.ggml.padding_token_id"),
-    )
-    model = LlamaForCausalLM(config)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers)
-    state = {}
-    for name in model.state_dict():
-        if config.tie_word_embeddings and name == "lm_head.weight":
-            continue
-        tensor = tensors[names.get_name(name, try_suffixes=(".weight",))]
-        if name.endswith("q_proj.weight"):
-            tensor = interleave_rows(tensor, heads, inverse=True)
-        elif name.endswith("k_proj.weight"):
-            tensor = interleave_rows(tensor, kv_heads, inverse=True)
-        state[name] = tensor
-    model.load_state_dict(state, strict=not config.tie_word_embeddings)
-    return model.eval()
 
 
 def read_head_gguf(path: Path, target: Backend) -> Eagle3Head:

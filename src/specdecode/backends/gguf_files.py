@@ -1,0 +1,246 @@
+"""GGUF files: writing a Llama-family Hugging Face model as one, and reading one without llama.cpp.
+
+GGUF is the single-file format llama.cpp users hold: the weights (f32, f16, bf16 or block-
+quantized such as Q8_0), the hyperparameters and the tokenizer, under llama.cpp's own names.
+`export_gguf` writes the layout llama.cpp's converter writes for the "llama" architecture, with
+the `gguf` package (llama.cpp's own Python writer and quantizer). Two details carry meaning:
+
+- llama.cpp rotates query/key pairs that are adjacent (dimensions 2i, 2i+1), Hugging Face pairs
+  that are half a head apart (i, i + d/2); the converter therefore permutes the rows of the
+  query and key projections, and every reader undoes it.
+- A byte-level BPE tokenizer travels as its vocabulary strings, merges and token types, with the
+  pre-tokenizer named ("gpt-2": the GPT-2 split regex, which our tokenizers use).
+
+`load_gguf_model` is the route without llama.cpp's runtime: transformers' GGUF loader
+dequantizes the weights (with the `gguf` package) into an ordinary model, which the native or
+transformers' forward then runs in PyTorch; slower than llama.cpp's kernels on a CPU, but the
+same file works without the compiled extra.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+from tokenizers import Tokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+
+from specdecode.backends.hf import check_model_directory, load_model_config, load_tokenizer
+from specdecode.backends.native import native_unsupported
+from specdecode.errors import SpecdecodeError
+
+# File types the writer makes itself; q4_k needs llama.cpp's quantizer (the llama-cpp extra).
+FORMATS = {
+    "f32": gguf.LlamaFileType.ALL_F32,
+    "f16": gguf.LlamaFileType.MOSTLY_F16,
+    "bf16": gguf.LlamaFileType.MOSTLY_BF16,
+    "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+}
+LLAMA_CPP_FORMATS = ("q4_k",)
+TENSOR_TYPES = {
+    "f32": gguf.GGMLQuantizationType.F32,
+    "f16": gguf.GGMLQuantizationType.F16,
+    "bf16": gguf.GGMLQuantizationType.BF16,
+    "q8_0": gguf.GGMLQuantizationType.Q8_0,
+}
+TOKEN_NORMAL, TOKEN_CONTROL = gguf.TokenType.NORMAL, gguf.TokenType.CONTROL
+
+
+def is_gguf(path: str | Path) -> bool:
+    """Whether `path` names a GGUF file (by its magic bytes, so any file name works)."""
+    path = Path(path)
+    if not path.is_file():
+        return False
+    with path.open("rb") as handle:
+        return handle.read(4) == b"GGUF"
+
+
+def export_gguf(directory: str | Path, out: str | Path, fmt: str = "f32") -> Path:
+    """Write the Llama-family model in `directory` as a GGUF file `out` of type `fmt`."""
+    if fmt not in FORMATS and fmt not in LLAMA_CPP_FORMATS:
+        raise SpecdecodeError(
+            f"unknown GGUF type {fmt!r} (choose from {', '.join([*FORMATS, *LLAMA_CPP_FORMATS])})"
+        )
+    directory = check_model_directory(Path(directory))
+    config = load_model_config(directory)
+    if config.model_type != "llama" or native_unsupported(config) is not None:
+        reason = native_unsupported(config) or f"model_type {config.model_type!r}"
+        raise SpecdecodeError(f"{directory}: GGUF export writes plain Llama models only ({reason})")
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if fmt in LLAMA_CPP_FORMATS:
+        full = out.with_name(out.stem + ".f32.tmp.gguf")
+        export_gguf(directory, full, "f32")
+        from specdecode.backends.llama_cpp import quantize  # llama_cpp imports this module
+
+        try:
+            quantize(full, out, fmt)
+        finally:
+            full.unlink(missing_ok=True)
+        return out
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, local_files_only=True)
+    tokenizer = load_tokenizer(directory)
+    writer = gguf.GGUFWriter(out, "llama")
+    _write_hyperparameters(writer, config, directory.name, FORMATS[fmt])
+    _write_tokenizer(writer, tokenizer, config)
+    for name, tensor in _gguf_tensors(model, config):
+        _add_tensor(writer, name, tensor, fmt)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def _write_hyperparameters(writer: gguf.GGUFWriter, config, name: str, file_type) -> None:
+    heads = int(config.num_attention_heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+    rope = getattr(config, "rope_parameters", None) or {}
+    writer.add_name(name)
+    writer.add_file_type(file_type)
+    writer.add_context_length(int(config.max_position_embeddings))
+    writer.add_embedding_length(int(config.hidden_size))
+    writer.add_block_count(int(config.num_hidden_layers))
+    writer.add_feed_forward_length(int(config.intermediate_size))
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(int(config.num_key_value_heads))
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))))
+    writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))
+    writer.add_vocab_size(int(config.vocab_size))
+
+
+def _write_tokenizer(writer: gguf.GGUFWriter, tokenizer, config) -> None:
+    """A byte-level BPE tokenizer as llama.cpp's "gpt2" model; other kinds are refused."""
+    spec = json.loads(tokenizer.backend_tokenizer.to_str())
+    model = spec.get("model", {})
+    if model.get("type") != "BPE" or model.get("byte_fallback"):
+        raise SpecdecodeError("GGUF export handles byte-level BPE tokenizers only")
+    size = int(config.vocab_size)
+    tokens = [f"[PAD{i}]" for i in range(size)]
+    types = [gguf.TokenType.UNUSED] * size
+    for text, token_id in tokenizer.get_vocab().items():
+        if token_id < size:
+            tokens[token_id], types[token_id] = text, TOKEN_NORMAL
+    for added in spec.get("added_tokens", []):
+        if added["id"] < size:
+            types[added["id"]] = TOKEN_CONTROL if added.get("special") else gguf.TokenType.USER_DEFINED
+    merges = [" ".join(pair) if isinstance(pair, list) else pair for pair in model.get("merges", [])]
+    with_special = tokenizer("a", add_special_tokens=True)["input_ids"]
+    plain = tokenizer("a", add_special_tokens=False)["input_ids"]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt-2")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    for setter, token_id in (
+        (writer.add_bos_token_id, tokenizer.bos_token_id),
+        (writer.add_eos_token_id, tokenizer.eos_token_id),
+        (writer.add_pad_token_id, tokenizer.pad_token_id),
+    ):
+        if token_id is not None:
+            setter(int(token_id))
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    writer.add_add_bos_token(bos is not None and with_special[:1] == [bos] and plain[:1] != [bos])
+    writer.add_add_eos_token(eos is not None and with_special[-1:] == [eos] and plain[-1:] != [eos])
+
+
+def _gguf_tensors(model, config):
+    """(llama.cpp name, float32 array) for every weight, queries and keys permuted."""
+    heads, kv_heads = int(config.num_attention_heads), int(config.num_key_value_heads)
+    state = {name: tensor.detach().float().numpy() for name, tensor in model.state_dict().items()}
+    yield "token_embd.weight", state["model.embed_tokens.weight"]
+    yield "output_norm.weight", state["model.norm.weight"]
+    if not config.tie_word_embeddings:
+        yield "output.weight", state["lm_head.weight"]
+    names = {
+        "attn_norm": "input_layernorm",
+        "attn_q": "self_attn.q_proj",
+        "attn_k": "self_attn.k_proj",
+        "attn_v": "self_attn.v_proj",
+        "attn_output": "self_attn.o_proj",
+        "ffn_norm": "post_attention_layernorm",
+        "ffn_gate": "mlp.gate_proj",
+        "ffn_up": "mlp.up_proj",
+        "ffn_down": "mlp.down_proj",
+    }
+    for layer in range(int(config.num_hidden_layers)):
+        for ours, theirs in names.items():
+            weight = state[f"model.layers.{layer}.{theirs}.weight"]
+            if ours in ("attn_q", "attn_k"):
+                weight = _pair_adjacent(weight, heads if ours == "attn_q" else kv_heads)
+            yield f"blk.{layer}.{ours}.weight", weight
+
+
+def _pair_adjacent(weight: np.ndarray, heads: int) -> np.ndarray:
+    """Reorder each head's rows from half-apart rotary pairs to adjacent ones (llama.cpp's)."""
+    return (
+        weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+def _add_tensor(writer: gguf.GGUFWriter, name: str, tensor: np.ndarray, fmt: str) -> None:
+    """Vectors (norms) stay f32, as llama.cpp keeps them; matrices take the file's type where
+    their rows fit its blocks."""
+    qtype = TENSOR_TYPES[fmt]
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    if tensor.ndim < 2 or qtype == gguf.GGMLQuantizationType.F32 or tensor.shape[-1] % block:
+        writer.add_tensor(name, np.ascontiguousarray(tensor, dtype=np.float32))
+    elif qtype == gguf.GGMLQuantizationType.F16:
+        writer.add_tensor(name, tensor.astype(np.float16))
+    else:
+        writer.add_tensor(name, gguf.quants.quantize(tensor, qtype), raw_dtype=qtype)
+
+
+def load_gguf_model(path: Path, dtype: torch.dtype):
+    """(model, tokenizer) from a GGUF file through transformers' loader (dequantized)."""
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            path.parent, gguf_file=path.name, dtype=dtype, local_files_only=True
+        )
+    except Exception as exc:  # transformers raises many types for files it cannot map
+        raise SpecdecodeError(
+            f"cannot load {path} through transformers' GGUF loader: {_last_line(exc)}"
+        ) from None
+    return model, load_gguf_tokenizer(path)
+
+
+def load_gguf_tokenizer(path: Path):
+    """The tokenizer a GGUF file describes, as transformers builds it (all `lookup` needs)."""
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
+        rows = len(gguf.GGUFReader(path).fields["tokenizer.ggml.tokens"].data)
+    except Exception as exc:  # as above
+        raise SpecdecodeError(f"cannot read the tokenizer of {path}: {_last_line(exc)}") from None
+    return _without_foreign_tokens(tokenizer, rows)
+
+
+def _last_line(exc: Exception) -> str:
+    return str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+
+
+def _without_foreign_tokens(tokenizer, rows: int):
+    """transformers builds a byte-level GGUF vocabulary as a GPT2Tokenizer, which adds GPT-2's
+    `<|endoftext|>` when the file has no such token: an id past the model's rows. Drop any such
+    added token, keeping everything else (special tokens, pre-tokenizer, decoder) as built."""
+    foreign = {text for text, token_id in tokenizer.get_added_vocab().items() if token_id >= rows}
+    if not foreign:
+        return tokenizer
+    spec = json.loads(tokenizer.backend_tokenizer.to_str())
+    spec["added_tokens"] = [added for added in spec["added_tokens"] if added["content"] not in foreign]
+    special = {
+        name: getattr(tokenizer, name)
+        for name in ("bos_token", "eos_token", "pad_token", "unk_token")
+        if getattr(tokenizer, name) is not None and getattr(tokenizer, name) not in foreign
+    }
+    cleaned = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(spec)), **special)
+    cleaned.add_bos_token = getattr(tokenizer, "add_bos_token", False)
+    cleaned.add_eos_token = getattr(tokenizer, "add_eos_token", False)
+    return cleaned

@@ -1,0 +1,356 @@
+"""llama.cpp's kernels for a GGUF model, through llama-cpp-python's low-level (C) API.
+
+The chain, strategies and verification stay ours; a pass is one `llama_decode` of a batch, and
+its logits cross into Python as one view of llama.cpp's output buffer (one bulk copy per pass,
+never one per row). The KV cache is llama.cpp's, addressed by sequence: the committed tokens
+are sequence 0, and rolling back is removing positions from it (`llama_memory_seq_rm`).
+
+Token trees use sequences the way llama.cpp's own speculative example does. Pending node i has
+sequence i + 1, and a cell belongs to every sequence that may see it: a node is decoded in the
+sequences of itself and its descendants in the same pass, and a node whose parent came in an
+earlier pass first joins its parent's sequence (`llama_memory_seq_cp`), which holds the prefix
+and every ancestor. `commit(path)` drops the tree's cells and owes the path: its tokens are
+scored again as the first rows of the next pass, so that the cache holds every position in
+position order, as plain generation leaves it (see `commit`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from specdecode.backends import VocabInfo
+from specdecode.backends.gguf_files import load_gguf_tokenizer
+from specdecode.backends.hf import LoadOptions
+from specdecode.backends.tree import PendingTree, check_tree_room
+from specdecode.errors import SpecdecodeError
+
+try:
+    import llama_cpp
+except ImportError:  # the optional extra
+    llama_cpp = None
+
+INSTALL_HINT = "pip install 'specdecode[llama-cpp]'"
+VOCAB_KINDS = {1: "spm", 2: "bpe", 3: "wpm", 4: "ugm"}
+MAX_SEQUENCES = 64  # the committed sequence and up to 63 pending tree nodes
+_quiet_log = None  # the logging callback, kept alive while llama.cpp may call it
+
+
+def available() -> bool:
+    return llama_cpp is not None
+
+
+def _require() -> None:
+    if llama_cpp is None:
+        raise SpecdecodeError(f"the llama.cpp backend needs llama-cpp-python: {INSTALL_HINT}")
+
+
+def silence_logs() -> None:
+    """Route llama.cpp's log lines nowhere (load messages on every model otherwise)."""
+    global _quiet_log
+    if _quiet_log is None:
+        _quiet_log = llama_cpp.llama_log_callback(lambda level, text, data: None)
+        llama_cpp.llama_log_set(_quiet_log, ctypes.c_void_p(0))
+
+
+def quantize(source: Path, out: Path, fmt: str) -> None:
+    """Requantize a GGUF file with llama.cpp's own quantizer (k-quants need it)."""
+    if llama_cpp is None:
+        raise SpecdecodeError(f"GGUF type {fmt} needs llama.cpp's quantizer: {INSTALL_HINT}")
+    silence_logs()
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = {"q4_k": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M}[fmt]
+    if llama_cpp.llama_model_quantize(str(source).encode(), str(out).encode(), params) != 0:
+        raise SpecdecodeError(f"llama.cpp could not quantize {source} to {fmt}")
+
+
+class LlamaModel:
+    """A loaded GGUF model (weights and vocabulary), shared by the contexts forked from it."""
+
+    def __init__(self, path: Path, gpu_layers: int) -> None:
+        _require()
+        silence_logs()
+        llama_cpp.llama_backend_init()
+        params = llama_cpp.llama_model_default_params()
+        params.n_gpu_layers = gpu_layers
+        self.pointer = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
+        if not self.pointer:
+            raise SpecdecodeError(f"llama.cpp cannot load {path} (not a model file it knows)")
+        self.vocab = llama_cpp.llama_model_get_vocab(self.pointer)
+        self.path = path
+        self._tokenizer = None
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        """The file's vocabulary as a transformers tokenizer, built on first use: what the
+        server's chat templates and text routes work with (the same ids as llama.cpp's on
+        files `specdecode export` writes)."""
+        if self._tokenizer is None:
+            self._tokenizer = load_gguf_tokenizer(self.path)
+        return self._tokenizer
+
+    def __del__(self) -> None:
+        if getattr(self, "pointer", None) and llama_cpp is not None:
+            llama_cpp.llama_model_free(self.pointer)
+            self.pointer = None
+
+
+class LlamaCppBackend:
+    """A GGUF model on llama.cpp's kernels (see `specdecode.backends.Backend`)."""
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        *,
+        n_ctx: int = 0,
+        n_batch: int = 512,
+        threads: int | None = None,
+        name: str = "model",
+    ) -> None:
+        self.model = model
+        self.name = name
+        self.device = torch.device("cpu")  # where logits arrive (llama.cpp places its layers itself)
+        self.n_batch = n_batch
+        self.threads = threads
+        trained = llama_cpp.llama_model_n_ctx_train(model.pointer)
+        params = llama_cpp.llama_context_default_params()
+        params.n_ctx = n_ctx if n_ctx > 0 else trained
+        params.n_batch = params.n_ubatch = max(n_batch, MAX_SEQUENCES)
+        params.n_seq_max = MAX_SEQUENCES
+        params.kv_unified = True  # tree sequences share the prefix's cells
+        if threads:
+            params.n_threads = params.n_threads_batch = threads
+        self._context = llama_cpp.llama_init_from_model(model.pointer, params)
+        if not self._context:
+            raise SpecdecodeError(f"{name}: llama.cpp could not create a context of {params.n_ctx} tokens")
+        self._memory = llama_cpp.llama_get_memory(self._context)
+        self.n_ctx = int(llama_cpp.llama_n_ctx(self._context))
+        self._size = int(llama_cpp.llama_vocab_n_tokens(model.vocab))
+        self._batch_rows = int(params.n_batch)
+        self._batch = llama_cpp.llama_batch_init(self._batch_rows, 0, MAX_SEQUENCES)
+        self._tokens: list[int] = []  # ids of the cached positions, then the owed ones
+        self._owed: list[int] = []  # committed tree tokens not in the cache yet (see commit)
+        self._tree = PendingTree()
+        self._texts: list[str] | None = None
+        self.vocab = self._vocab_info()
+
+    @classmethod
+    def load(cls, path: str | Path, options: LoadOptions) -> LlamaCppBackend:
+        """Load a GGUF file with the LoadOptions the other backends take (dtype is the file's)."""
+        _require()
+        path = Path(path)
+        if options.dtype != "auto":
+            raise SpecdecodeError(
+                f"{path.name}: llama.cpp computes in the file's own weight types; --dtype {options.dtype} "
+                "applies to the PyTorch backends (--backend native)"
+            )
+        if options.device != "cpu" and not llama_cpp.llama_supports_gpu_offload():
+            raise SpecdecodeError(f"device {options.device} asked for, but this llama.cpp build has no GPU")
+        gpu_layers = options.gpu_layers
+        if gpu_layers is None:
+            gpu_layers = 999 if options.device != "cpu" else 0  # every layer on a GPU device
+        if gpu_layers and not llama_cpp.llama_supports_gpu_offload():
+            raise SpecdecodeError("GPU layers (-ngl) asked for, but this llama.cpp build has no GPU")
+        return cls(
+            LlamaModel(path, gpu_layers),
+            n_ctx=options.n_ctx,
+            n_batch=options.n_batch,
+            threads=options.threads,
+            name=path.stem,
+        )
+
+    def fork(self) -> LlamaCppBackend:
+        """A backend over the same loaded weights with its own context (KV cache)."""
+        return type(self)(
+            self.model, n_ctx=self.n_ctx, n_batch=self.n_batch, threads=self.threads, name=self.name
+        )
+
+    def __del__(self) -> None:
+        if getattr(self, "_context", None) and llama_cpp is not None:
+            llama_cpp.llama_batch_free(self._batch)
+            llama_cpp.llama_free(self._context)
+            self._context = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self._tokens
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        return self.model.tokenizer
+
+    # Vocabulary: the GGUF's own, through llama.cpp's tokenizer.
+
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        data = text.encode()
+        room = len(data) + 8
+        buffer = (llama_cpp.llama_token * room)()
+        count = llama_cpp.llama_tokenize(self.model.vocab, data, len(data), buffer, room, add_special, True)
+        if count < 0:  # more tokens than bytes + 8: only with many added specials
+            room = -count
+            buffer = (llama_cpp.llama_token * room)()
+            count = llama_cpp.llama_tokenize(
+                self.model.vocab, data, len(data), buffer, room, add_special, True
+            )
+        return list(buffer[:count])
+
+    def detokenize(self, ids: Sequence[int], skip_special: bool = True) -> str:
+        if not ids:
+            return ""
+        tokens = (llama_cpp.llama_token * len(ids))(*ids)
+        room = 16 * len(ids) + 64
+        for _ in range(2):
+            buffer = ctypes.create_string_buffer(room)
+            count = llama_cpp.llama_detokenize(
+                self.model.vocab, tokens, len(ids), buffer, room, False, not skip_special
+            )
+            if count >= 0:
+                return buffer.raw[:count].decode("utf-8", errors="replace")
+            room = -count
+        raise SpecdecodeError(f"{self.name}: llama.cpp could not detokenize {len(ids)} tokens")
+
+    def token_text(self, token_id: int) -> str:
+        if self._texts is None:
+            self._texts = [
+                llama_cpp.llama_vocab_get_text(self.model.vocab, i).decode("utf-8", errors="replace")
+                for i in range(self._size)
+            ]
+        return self._texts[token_id] if 0 <= token_id < len(self._texts) else ""
+
+    def _vocab_info(self) -> VocabInfo:
+        vocab = self.model.vocab
+
+        def token(value: int) -> int | None:
+            return None if value < 0 else int(value)
+
+        return VocabInfo(
+            size=self._size,
+            kind=VOCAB_KINDS.get(int(llama_cpp.llama_vocab_type(vocab)), "unknown"),
+            bos_id=token(llama_cpp.llama_vocab_bos(vocab)),
+            eos_id=token(llama_cpp.llama_vocab_eos(vocab)),
+            add_bos=bool(llama_cpp.llama_vocab_get_add_bos(vocab)),
+            add_eos=bool(llama_cpp.llama_vocab_get_add_eos(vocab)),
+            eog_ids=frozenset(i for i in range(self._size) if llama_cpp.llama_vocab_is_eog(vocab, i)),
+        )
+
+    # Passes.
+
+    def evaluate(self, ids: Sequence[int], logits_rows: int | None = None) -> torch.Tensor:
+        total = len(ids)
+        assert total > 0, "evaluate needs at least one token"
+        if len(self._tokens) + total > self.n_ctx:
+            raise SpecdecodeError(
+                f"{self.name}: context full ({len(self._tokens)} + {total} tokens > n_ctx {self.n_ctx})"
+            )
+        self._drop_tree()
+        wanted = total if logits_rows is None else min(logits_rows, total)
+        owed = len(self._owed)
+        rows_in = [*self._owed, *(int(token) for token in ids)]
+        first_wanted = owed + total - wanted
+        self._owed.clear()
+        out: list[torch.Tensor] = []
+        position = len(self._tokens) - owed
+        step = min(self.n_batch, self._batch_rows)
+        for start in range(0, len(rows_in), step):
+            chunk = rows_in[start : start + step]
+            for row, token in enumerate(chunk):
+                self._set_row(row, token, position + start + row, (0,), start + row >= first_wanted)
+            outputs = self._decode(len(chunk))
+            if len(outputs):
+                out.append(outputs)
+        self._tokens.extend(rows_in[owed:])
+        if not out:
+            return torch.empty(0, self._size)
+        return torch.cat(out) if len(out) > 1 else out[0]
+
+    def truncate(self, n: int) -> None:
+        n = max(0, n)
+        self._drop_tree()
+        if n >= len(self._tokens):
+            return
+        cached = len(self._tokens) - len(self._owed)
+        if n >= cached:
+            del self._owed[n - cached :]
+        else:
+            if not llama_cpp.llama_memory_seq_rm(self._memory, 0, n, -1):
+                raise SpecdecodeError(f"{self.name}: llama.cpp cannot roll this model's cache back")
+            self._owed.clear()
+        del self._tokens[n:]
+
+    def evaluate_tree(self, ids: Sequence[int], parents: Sequence[int]) -> torch.Tensor:
+        """See `specdecode.backends.Backend.evaluate_tree` and the module's docstring."""
+        prefix = len(self._tokens)
+        check_tree_room(self.name, prefix, len(self._tree), len(ids), self.n_ctx)
+        if len(self._tree) + len(ids) >= MAX_SEQUENCES:
+            raise SpecdecodeError(
+                f"{self.name}: a token tree of more than {MAX_SEQUENCES - 1} nodes does not fit "
+                "llama.cpp's sequences here (use fewer draft tokens)"
+            )
+        if len(self._owed) + len(ids) > self._batch_rows:
+            raise SpecdecodeError(f"{self.name}: {len(ids)} tree nodes exceed the batch size")
+        nodes = self._tree.add(ids, parents)
+        first = nodes.start
+        members: dict[int, list[int]] = {node: [node + 1] for node in nodes}
+        for node in nodes:
+            for ancestor in self._tree.path(node)[:-1]:
+                if ancestor >= first:
+                    members[ancestor].append(node + 1)
+        for node in nodes:
+            # The nearest ancestor from an earlier pass holds the prefix and every ancestor before it.
+            earlier = [ancestor for ancestor in self._tree.path(node) if ancestor < first]
+            source = earlier[-1] + 1 if earlier else 0
+            llama_cpp.llama_memory_seq_cp(self._memory, source, node + 1, -1, -1)
+        # Owed path tokens (see commit) come first, seen by the committed sequence and every node.
+        owed, everyone = len(self._owed), [0, *(node + 1 for node in nodes)]
+        for row, token in enumerate(self._owed):
+            self._set_row(row, token, prefix - owed + row, everyone, False)
+        self._owed.clear()
+        for row, node in enumerate(nodes, start=owed):
+            position = prefix + self._tree.depths[node] - 1
+            self._set_row(row, self._tree.tokens[node], position, members[node], True)
+        return self._decode(owed + len(ids))
+
+    def commit(self, path: Sequence[int]) -> None:
+        """The path joins the cached tokens, but its cache entries are dropped with the rest of
+        the tree and its tokens are owed: evaluated again as the first rows of the next pass.
+        Kept in place, the path's entries would sit in the cells the tree gave them, out of
+        position order, and llama.cpp's attention sums over cells in cell order: every later
+        row would round differently from plain generation's."""
+        path = self._tree.check_path(path)
+        tokens = [self._tree.tokens[node] for node in path]
+        self._drop_tree()
+        self._tokens.extend(tokens)
+        self._owed.extend(tokens)
+
+    def _drop_tree(self) -> None:
+        if len(self._tree):
+            llama_cpp.llama_memory_seq_keep(self._memory, 0)
+            self._tree.clear()
+
+    def _set_row(self, row: int, token: int, position: int, sequences: Sequence[int], output: bool) -> None:
+        batch = self._batch
+        batch.token[row] = token
+        batch.pos[row] = position
+        batch.n_seq_id[row] = len(sequences)
+        for i, sequence in enumerate(sequences):
+            batch.seq_id[row][i] = sequence
+        batch.logits[row] = output
+
+    def _decode(self, rows: int) -> torch.Tensor:
+        """Run the batch's first `rows` rows; the logits of its output rows, in row order."""
+        self._batch.n_tokens = rows
+        outputs = sum(1 for row in range(rows) if self._batch.logits[row])
+        status = llama_cpp.llama_decode(self._context, self._batch)
+        if status != 0:
+            raise SpecdecodeError(f"{self.name}: llama_decode failed (status {status})")
+        if not outputs:
+            return torch.empty(0, self._size)
+        pointer = llama_cpp.llama_get_logits(self._context)
+        view = np.ctypeslib.as_array(pointer, shape=(outputs, self._size))
+        # One copy of the whole block: the buffer is overwritten by the next pass.
+        return torch.from_numpy(view.copy())

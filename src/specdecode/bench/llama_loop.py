@@ -1,0 +1,121 @@
+"""What our loop costs on llama.cpp's kernels, and whether llama.cpp's rows are batch-invariant.
+
+    python -m specdecode.bench.llama_loop -m target.gguf [-n 128] [-t 1]
+
+1. Plain generation, greedy, three ways over the same GGUF file and prompt, in alternated
+   rounds (medians): llama.cpp's own loop through the C API (decode one token, argmax over
+   its logits view, nothing else), our LlamaCppBackend.evaluate in a bare loop, and our whole
+   generation loop (`Pipeline` with no strategy: sampler, stop checks, stats). The ratios are
+   the overhead of each layer per token.
+2. Row agreement: the logits of k-row passes (a verify pass's shape) against the same rows
+   scored one at a time, over the generated text: exact-equality and argmax-agreement rates.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from specdecode import GenerationConfig, Pipeline, SamplingParams
+from specdecode.backends.hf import LoadOptions
+from specdecode.backends.llama_cpp import LlamaCppBackend, llama_cpp
+
+PROMPT = "import os\n\n\ndef read_lines(path):"
+
+
+def raw_llama_cpp(backend: LlamaCppBackend, prompt: list[int], n: int) -> tuple[list[int], float]:
+    """Greedy tokens and seconds from llama.cpp's C API alone (the batch reused, no copies)."""
+    backend.truncate(0)
+    logits = backend.evaluate(prompt, logits_rows=1)[-1]
+    token, out = int(logits.argmax()), []
+    batch, context, size = backend._batch, backend._context, backend.vocab.size
+    start = time.perf_counter()
+    for position in range(len(prompt), len(prompt) + n):
+        out.append(token)
+        batch.n_tokens = 1
+        batch.token[0], batch.pos[0], batch.n_seq_id[0], batch.logits[0] = token, position, 1, 1
+        batch.seq_id[0][0] = 0
+        llama_cpp.llama_decode(context, batch)
+        token = int(np.ctypeslib.as_array(llama_cpp.llama_get_logits(context), shape=(size,)).argmax())
+    elapsed = time.perf_counter() - start
+    llama_cpp.llama_memory_seq_rm(backend._memory, 0, -1, -1)
+    backend._tokens.clear()
+    return out, elapsed
+
+
+def backend_loop(backend: LlamaCppBackend, prompt: list[int], n: int) -> tuple[list[int], float]:
+    backend.truncate(0)
+    token, out = int(backend.evaluate(prompt, logits_rows=1)[-1].argmax()), []
+    start = time.perf_counter()
+    for _ in range(n):
+        out.append(token)
+        token = int(backend.evaluate([token])[-1].argmax())
+    return out, time.perf_counter() - start
+
+
+def row_agreement(backend: LlamaCppBackend, ids: list[int], k: int) -> tuple[float, float]:
+    """(share of rows bit-identical, share with the same argmax): k-row passes vs one row at a time."""
+    equal = same_argmax = total = 0
+    for start in range(1, len(ids) - k, k):
+        backend.truncate(0)
+        backend.evaluate(ids[:start])
+        together = backend.evaluate(ids[start : start + k])
+        backend.truncate(start)
+        alone = torch.cat([backend.evaluate([token]) for token in ids[start : start + k]])
+        equal += int((together == alone).all(-1).sum())
+        same_argmax += int((together.argmax(-1) == alone.argmax(-1)).sum())
+        total += k
+    return equal / total, same_argmax / total
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("-m", "--model", type=Path, required=True, help="GGUF file")
+    parser.add_argument("-n", "--n-predict", type=int, default=128)
+    parser.add_argument("-t", "--threads", type=int, default=1)
+    parser.add_argument("-k", type=int, default=8, help="rows per pass in the agreement check")
+    parser.add_argument("--rounds", type=int, default=5, help="alternated runs of each loop (median)")
+    args = parser.parse_args()
+    options = LoadOptions(backend="llama.cpp", threads=args.threads, n_ctx=1024)
+    backend = LlamaCppBackend.load(args.model, options)
+    prompt = backend.tokenize(PROMPT)
+    raw_llama_cpp(backend, prompt, 8)  # warm-up
+    pipeline = Pipeline(backend, spec_types=[])
+    config = GenerationConfig(n_predict=args.n_predict, ignore_eos=True)
+    times: dict[str, list[float]] = {"raw": [], "ours": [], "loop": []}
+    for _ in range(args.rounds):  # alternated, so that a busy moment hits all three alike
+        raw, seconds = raw_llama_cpp(backend, prompt, args.n_predict)
+        times["raw"].append(seconds)
+        ours, seconds = backend_loop(backend, prompt, args.n_predict)
+        times["ours"].append(seconds)
+        start = time.perf_counter()
+        result = pipeline.generate(prompt, SamplingParams(temperature=0), config)
+        times["loop"].append(time.perf_counter() - start)
+    raw_s, ours_s, loop_s = (float(np.median(times[key])) for key in ("raw", "ours", "loop"))
+    n = args.n_predict
+    print(f"{args.model.name}: {n} tokens, {args.threads} thread(s), median of {args.rounds} alternated runs")
+    for name, seconds in (
+        ("llama.cpp C API loop", raw_s),
+        ("backend.evaluate loop", ours_s),
+        ("specdecode generate", loop_s),
+    ):
+        print(
+            f"  {name:<22} {n / seconds:8.1f} tok/s {1e3 * seconds / n:7.2f} ms/token "
+            f"({raw_s / seconds:.2f}x)"
+        )
+    print(f"  same greedy tokens: {raw == ours == result.tokens[:n]}")
+    equal, argmax = row_agreement(backend, prompt + raw, args.k)
+    print(
+        f"  {args.k}-row vs 1-row passes: {100 * equal:.1f}% rows bit-identical, "
+        f"{100 * argmax:.1f}% same argmax"
+    )
+
+
+if __name__ == "__main__":
+    main()
