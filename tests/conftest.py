@@ -350,3 +350,20 @@ def chi_square_pvalue(counts: dict, expected: dict[object, float]) -> float:
             wanted[smallest] += pooled_exp
     assert len(observed) >= 2, "need at least two bins"
     return float(stats.chisquare(observed, wanted).pvalue)
+
+
+@pytest.fixture(scope="session")
+def gguf_files(tmp_path_factory) -> dict[str, Path]:
+    """The test pair as Hugging Face directories and as f32 and Q8_0 GGUF files, by name."""
+    from specdecode.backends.gguf_files import export_gguf
+
+    root = tmp_path_factory.mktemp("gguf")
+    tokenizer = cached_tokenizer()
+    paths = {
+        "target": save_model(root / "target", target_model(TargetSpec()), tokenizer),
+        "draft": save_model(root / "draft", draft_model(TargetSpec(), 0.02), tokenizer),
+    }
+    for role in ("target", "draft"):
+        paths[f"{role}.gguf"] = export_gguf(paths[role], root / f"{role}.gguf", "f32")
+        paths[f"{role}-q8_0.gguf"] = export_gguf(paths[role], root / f"{role}-q8_0.gguf", "q8_0")
+    return paths

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TargetSpec, cached_tokenizer, draft_model, target_model
+from conftest import cached_tokenizer
 
 from specdecode import DraftModelConfig, GenerationConfig, Pipeline, SamplingParams
 from specdecode.backends.gguf_files import export_gguf, is_gguf
@@ -26,7 +26,6 @@ from specdecode.cli import main
 from specdecode.errors import SpecdecodeError
 from specdecode.lookup import model_tokenizer
 from specdecode.strategies import NgramModConfig, NgramSettings
-from specdecode.testing import save_model
 
 PROMPT_TEXT = "def wrap(text, width=70):\n    return"
 NATIVE32 = LoadOptions(dtype="float32", backend="native")
@@ -35,25 +34,10 @@ NATIVE64 = LoadOptions(dtype="float64", backend="native")
 SHORT_NGRAMS = NgramSettings(mod=NgramModConfig(1, 1, 8))
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory) -> dict[str, Path]:
-    """The test pair as Hugging Face directories and as f32 and Q8_0 GGUF files."""
-    root = tmp_path_factory.mktemp("gguf")
-    tokenizer = cached_tokenizer()
-    paths = {
-        "target": save_model(root / "target", target_model(TargetSpec()), tokenizer),
-        "draft": save_model(root / "draft", draft_model(TargetSpec(), 0.02), tokenizer),
-    }
-    for role in ("target", "draft"):
-        paths[f"{role}.gguf"] = export_gguf(paths[role], root / f"{role}.gguf", "f32")
-    paths["target-q8_0.gguf"] = export_gguf(paths["target"], root / "target-q8_0.gguf", "q8_0")
-    return paths
-
-
-def test_f32_file_gives_the_directorys_logits_bit_for_bit(pair):
-    from_dir = load_backend(pair["target"], NATIVE32)
-    from_file = load_backend(pair["target.gguf"], NATIVE32)
-    assert is_gguf(pair["target.gguf"]) and not is_gguf(pair["target"])
+def test_f32_file_gives_the_directorys_logits_bit_for_bit(gguf_files):
+    from_dir = load_backend(gguf_files["target"], NATIVE32)
+    from_file = load_backend(gguf_files["target.gguf"], NATIVE32)
+    assert is_gguf(gguf_files["target.gguf"]) and not is_gguf(gguf_files["target"])
     assert isinstance(from_file, NativeBackend)
     ids = from_dir.tokenize(PROMPT_TEXT)
     assert from_file.tokenize(PROMPT_TEXT) == ids
@@ -62,11 +46,11 @@ def test_f32_file_gives_the_directorys_logits_bit_for_bit(pair):
     assert torch.equal(from_file.evaluate(ids), from_dir.evaluate(ids))
 
 
-def test_q8_0_file_is_smaller_and_close(pair):
-    assert pair["target-q8_0.gguf"].stat().st_size < 0.5 * pair["target.gguf"].stat().st_size
+def test_q8_0_file_is_smaller_and_close(gguf_files):
+    assert gguf_files["target-q8_0.gguf"].stat().st_size < 0.5 * gguf_files["target.gguf"].stat().st_size
     ids = cached_tokenizer()(PROMPT_TEXT)["input_ids"]
-    exact = load_backend(pair["target.gguf"], NATIVE32).evaluate(ids)
-    quantized = load_backend(pair["target-q8_0.gguf"], NATIVE32).evaluate(ids)
+    exact = load_backend(gguf_files["target.gguf"], NATIVE32).evaluate(ids)
+    quantized = load_backend(gguf_files["target-q8_0.gguf"], NATIVE32).evaluate(ids)
     assert not torch.equal(exact, quantized)
     assert (quantized - exact).norm() < 0.1 * exact.norm()  # 8-bit weights: a few percent
 
@@ -81,10 +65,10 @@ STRATEGIES = {
 
 @pytest.mark.parametrize("name", STRATEGIES)
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_speculation_over_gguf_files_equals_plain(pair, exactness_log, name, temperature):
+def test_speculation_over_gguf_files_equals_plain(gguf_files, exactness_log, name, temperature):
     spec_types, draft_config = STRATEGIES[name]
-    target = load_backend(pair["target.gguf"], NATIVE64)
-    draft = load_backend(pair["draft.gguf"], NATIVE64)
+    target = load_backend(gguf_files["target.gguf"], NATIVE64)
+    draft = load_backend(gguf_files["draft.gguf"], NATIVE64)
     prompt = list(range(5, 17)) * 3  # repeats, for the n-gram strategies
     sampling = SamplingParams(temperature=temperature, seed=11)
     config = GenerationConfig(n_predict=40, ignore_eos=True)
@@ -96,8 +80,16 @@ def test_speculation_over_gguf_files_equals_plain(pair, exactness_log, name, tem
     exactness_log.record(f"gguf-transformers/{name}-{mode}", name, result.stats, result.stats.stop_reason)
 
 
-def test_export_then_generate_and_lookup_on_the_files(pair, tmp_path, capsys):
-    argv = ["export", "-m", str(pair["target"]), "-md", str(pair["draft"]), "--engines", "llama.cpp"]
+def test_export_then_generate_and_lookup_on_the_files(gguf_files, tmp_path, capsys):
+    argv = [
+        "export",
+        "-m",
+        str(gguf_files["target"]),
+        "-md",
+        str(gguf_files["draft"]),
+        "--engines",
+        "llama.cpp",
+    ]
     assert main([*argv, "--out", str(tmp_path)]) == 0
     out = tmp_path / "llama.cpp"
     assert sorted(path.name for path in out.iterdir()) == ["draft.gguf", "target.gguf"]
@@ -113,7 +105,7 @@ def test_export_then_generate_and_lookup_on_the_files(pair, tmp_path, capsys):
     text = "def fill(text):\n    return wrap(text)\n"
     assert (
         model_tokenizer(out / "target.gguf")(text)["input_ids"]
-        == load_tokenizer(pair["target"])(text)["input_ids"]
+        == load_tokenizer(gguf_files["target"])(text)["input_ids"]
     )
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(text * 20)
@@ -143,18 +135,18 @@ def test_lookup_defaults_to_the_bundled_targets_tokenizer(tmp_path, capsys):
         (["-m", "{bad}"], "cannot load"),
     ],
 )
-def test_bad_gguf_input_exits_2(pair, tmp_path, capsys, args, message):
+def test_bad_gguf_input_exits_2(gguf_files, tmp_path, capsys, args, message):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF" + b"\0" * 64)
-    values = {"target": pair["target"], "gguf": pair["target.gguf"], "bad": bad}
+    values = {"target": gguf_files["target"], "gguf": gguf_files["target.gguf"], "bad": bad}
     args = [arg.format(**values) for arg in args]
     backend = [] if "--backend" in args else ["--backend", "native"]
     assert main(["generate", *backend, *args, "-p", "x", "-n", "2", "--spec-type", "none"]) == 2
     assert message in capsys.readouterr().err
 
 
-def test_export_refuses_what_it_cannot_write(pair, tmp_path):
+def test_export_refuses_what_it_cannot_write(gguf_files, tmp_path):
     with pytest.raises(SpecdecodeError, match="unknown GGUF type"):
-        export_gguf(pair["target"], tmp_path / "x.gguf", "q3_k")
+        export_gguf(gguf_files["target"], tmp_path / "x.gguf", "q3_k")
     with pytest.raises(SpecdecodeError, match="model directory not found"):
         export_gguf(tmp_path / "missing", tmp_path / "x.gguf")

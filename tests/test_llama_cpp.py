@@ -11,14 +11,11 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import TargetSpec, cached_tokenizer, draft_model, target_model
 
 from specdecode import DraftModelConfig, GenerationConfig, Pipeline, SamplingParams
-from specdecode.backends.gguf_files import export_gguf
 from specdecode.backends.hf import LoadOptions
 from specdecode.backends.llama_cpp import MAX_SEQUENCES, LlamaCppBackend
 from specdecode.backends.load import load_backend
@@ -26,7 +23,6 @@ from specdecode.cli import main
 from specdecode.errors import SpecdecodeError
 from specdecode.strategies import NgramModConfig, NgramSettings
 from specdecode.strategies.base import path_to
-from specdecode.testing import save_model
 
 llama_cpp = pytest.importorskip("llama_cpp")
 
@@ -35,26 +31,12 @@ PROMPT = list(range(5, 17)) * 3
 LLAMA = LoadOptions(backend="llama.cpp", threads=1, n_ctx=256)
 
 
-@pytest.fixture(scope="module")
-def files(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("llama-cpp")
-    tokenizer = cached_tokenizer()
-    paths = {
-        "target": save_model(root / "target", target_model(TargetSpec()), tokenizer),
-        "draft": save_model(root / "draft", draft_model(TargetSpec(), 0.02), tokenizer),
-    }
-    for role in ("target", "draft"):
-        paths[f"{role}.gguf"] = export_gguf(paths[role], root / f"{role}.gguf", "f32")
-        paths[f"{role}-q8_0.gguf"] = export_gguf(paths[role], root / f"{role}-q8_0.gguf", "q8_0")
-    return paths
+def backend(gguf_files, role: str = "target", fmt: str = "") -> LlamaCppBackend:
+    return load_backend(gguf_files[f"{role}{fmt}.gguf"], LLAMA)
 
 
-def backend(files, role: str = "target", fmt: str = "") -> LlamaCppBackend:
-    return load_backend(files[f"{role}{fmt}.gguf"], LLAMA)
-
-
-def test_the_ggufs_vocabulary_is_the_tokenizers(files):
-    ours, theirs = backend(files), load_backend(files["target"], LoadOptions(dtype="float32"))
+def test_the_ggufs_vocabulary_is_the_tokenizers(gguf_files):
+    ours, theirs = backend(gguf_files), load_backend(gguf_files["target"], LoadOptions(dtype="float32"))
     assert isinstance(ours, LlamaCppBackend)
     assert ours.vocab == theirs.vocab
     for add_special in (True, False):
@@ -65,8 +47,8 @@ def test_the_ggufs_vocabulary_is_the_tokenizers(files):
     assert [ours.token_text(i) for i in range(0, 320, 7)] == [theirs.token_text(i) for i in range(0, 320, 7)]
 
 
-def test_logits_are_close_to_the_native_forward_and_roll_back(files):
-    ours, theirs = backend(files), load_backend(files["target"], LoadOptions(dtype="float32"))
+def test_logits_are_close_to_the_native_forward_and_roll_back(gguf_files):
+    ours, theirs = backend(gguf_files), load_backend(gguf_files["target"], LoadOptions(dtype="float32"))
     expected = theirs.evaluate(PROMPT)
     got = ours.evaluate(PROMPT)
     assert got.shape == expected.shape
@@ -88,15 +70,15 @@ def test_logits_are_close_to_the_native_forward_and_roll_back(files):
         ([-1, 0, 0, 1, 1, 2, 2], [40, 41, 42, 43, 44, 45, 46], 1),
     ],
 )
-def test_tree_rows_equal_passes_over_their_paths(files, parents, tokens, first):
-    ours = backend(files)
+def test_tree_rows_equal_passes_over_their_paths(gguf_files, parents, tokens, first):
+    ours = backend(gguf_files)
     ours.evaluate(PROMPT)
     rows = torch.cat(
         [ours.evaluate_tree(tokens[:first], parents[:first])]
         + ([ours.evaluate_tree(tokens[first:], parents[first:])] if first < len(tokens) else [])
     )
     assert ours.tokens == PROMPT
-    linear = backend(files)
+    linear = backend(gguf_files)
     for node in range(len(tokens)):
         linear.truncate(0)
         linear.evaluate(PROMPT)
@@ -113,17 +95,17 @@ def test_tree_rows_equal_passes_over_their_paths(files, parents, tokens, first):
     assert torch.allclose(got, expected, atol=1e-3 * expected.abs().max().item(), rtol=0)
 
 
-def test_trees_past_the_sequences_are_refused(files):
-    ours = backend(files)
+def test_trees_past_the_sequences_are_refused(gguf_files):
+    ours = backend(gguf_files)
     ours.evaluate(PROMPT)
     with pytest.raises(SpecdecodeError, match="does not fit"):
         ours.evaluate_tree(list(range(3, 3 + MAX_SEQUENCES)), [-1] * MAX_SEQUENCES)
 
 
-def test_q8_0_rows_are_batch_invariant_and_a_committed_tree_is_plain_history(files):
+def test_q8_0_rows_are_batch_invariant_and_a_committed_tree_is_plain_history(gguf_files):
     """Q8_0 quantizes each activation row alone, so llama.cpp gives a row the same bits in any
     pass; a committed tree path is then exactly what plain generation would have cached."""
-    ours, linear = backend(files, fmt="-q8_0"), backend(files, fmt="-q8_0")
+    ours, linear = backend(gguf_files, fmt="-q8_0"), backend(gguf_files, fmt="-q8_0")
     together = ours.evaluate(PROMPT)
     alone = torch.cat([linear.evaluate([token]) for token in PROMPT])
     assert torch.equal(together, alone)
@@ -146,14 +128,14 @@ STRATEGIES = {
 @pytest.mark.parametrize("fmt", ["", "-q8_0"])
 @pytest.mark.parametrize("name", STRATEGIES)
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_speculation_on_llama_cpp_equals_plain(files, exactness_log, name, temperature, fmt):
+def test_speculation_on_llama_cpp_equals_plain(gguf_files, exactness_log, name, temperature, fmt):
     spec_types, draft_config = STRATEGIES[name]
     sampling = SamplingParams(temperature=temperature, seed=5)
     config = GenerationConfig(n_predict=40, ignore_eos=True)
-    expected = Pipeline(backend(files, fmt=fmt), spec_types=[]).generate(PROMPT, sampling, config)
+    expected = Pipeline(backend(gguf_files, fmt=fmt), spec_types=[]).generate(PROMPT, sampling, config)
     pipeline = Pipeline(
-        backend(files, fmt=fmt),
-        backend(files, "draft", fmt),
+        backend(gguf_files, fmt=fmt),
+        backend(gguf_files, "draft", fmt),
         spec_types=spec_types,
         draft_config=draft_config,
         ngram=NgramSettings(mod=NgramModConfig(1, 1, 8)),
@@ -167,8 +149,8 @@ def test_speculation_on_llama_cpp_equals_plain(files, exactness_log, name, tempe
     )
 
 
-def test_a_fork_shares_the_weights_and_not_the_cache(files):
-    ours = backend(files)
+def test_a_fork_shares_the_weights_and_not_the_cache(gguf_files):
+    ours = backend(gguf_files)
     expected = ours.evaluate(PROMPT)
     fork = ours.fork()
     assert fork.model is ours.model and fork.tokens == []
@@ -176,10 +158,18 @@ def test_a_fork_shares_the_weights_and_not_the_cache(files):
     assert ours.tokens == PROMPT
 
 
-def test_generate_picks_llama_cpp_for_gguf_files(files, capsys):
+def test_generate_picks_llama_cpp_for_gguf_files(gguf_files, capsys):
     runs = {}
     for spec in ("none", "draft"):
-        args = ["generate", "-m", str(files["target.gguf"]), "-md", str(files["draft.gguf"]), "-t", "1"]
+        args = [
+            "generate",
+            "-m",
+            str(gguf_files["target.gguf"]),
+            "-md",
+            str(gguf_files["draft.gguf"]),
+            "-t",
+            "1",
+        ]
         args += ["--spec-type", spec, "--temp", "0", "-n", "24", "--ignore-eos", "-p", "def wrap(", "--json"]
         assert main(args) == 0
         runs[spec] = json.loads(capsys.readouterr().out)
@@ -187,28 +177,31 @@ def test_generate_picks_llama_cpp_for_gguf_files(files, capsys):
     assert runs["draft"]["stats"]["totals"]["n_drafted"] > 0
 
 
-def test_llama_cpp_refuses_what_it_cannot_run(files, tmp_path, capsys):
+def test_llama_cpp_refuses_what_it_cannot_run(gguf_files, tmp_path, capsys):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF" + b"\0" * 64)
     assert main(["generate", "--backend", "llama.cpp", "-m", str(bad), "-p", "x", "-n", "2"]) == 2
     assert "llama.cpp cannot load" in capsys.readouterr().err
     if not llama_cpp.llama_supports_gpu_offload():  # a CPU build
-        assert main(["generate", "-m", str(files["target.gguf"]), "-ngl", "4", "-p", "x", "-n", "2"]) == 2
+        assert (
+            main(["generate", "-m", str(gguf_files["target.gguf"]), "-ngl", "4", "-p", "x", "-n", "2"]) == 2
+        )
         assert "no GPU" in capsys.readouterr().err
     assert (
-        main(["generate", "-m", str(files["target.gguf"]), "--dtype", "float64", "-p", "x", "-n", "2"]) == 2
+        main(["generate", "-m", str(gguf_files["target.gguf"]), "--dtype", "float64", "-p", "x", "-n", "2"])
+        == 2
     )
     assert "file's own weight types" in capsys.readouterr().err
 
 
-def test_serve_answers_from_gguf_files(files):
+def test_serve_answers_from_gguf_files(gguf_files):
     """The server's slots fork the backend; its text routes use the file's own vocabulary."""
     from fastapi.testclient import TestClient
 
     from specdecode.server import ServerSettings, create_app
 
-    pipeline = Pipeline(backend(files), backend(files, "draft"), spec_types=["draft"])
-    plain = Pipeline(backend(files), spec_types=[]).generate(
+    pipeline = Pipeline(backend(gguf_files), backend(gguf_files, "draft"), spec_types=["draft"])
+    plain = Pipeline(backend(gguf_files), spec_types=[]).generate(
         "def wrap(", SamplingParams(temperature=0), GenerationConfig(n_predict=12)
     )
     with TestClient(create_app(pipeline, ServerSettings(model_id="gguf", parallel=2))) as client:
@@ -217,12 +210,12 @@ def test_serve_answers_from_gguf_files(files):
         assert answer.status_code == 200, answer.text[:300]
         assert answer.json()["choices"][0]["text"] == plain.text
         tokens = client.post("/tokenize", json={"content": TEXT}).json()["tokens"]
-        assert tokens == backend(files).tokenize(TEXT, add_special=False)
+        assert tokens == backend(gguf_files).tokenize(TEXT, add_special=False)
 
 
-def test_bench_runs_every_system_on_gguf_files(files, tmp_path, capsys):
+def test_bench_runs_every_system_on_gguf_files(gguf_files, tmp_path, capsys):
     out = tmp_path / "results"
-    argv = ["bench", "--quick", "-m", str(files["target.gguf"]), "-md", str(files["draft.gguf"])]
+    argv = ["bench", "--quick", "-m", str(gguf_files["target.gguf"]), "-md", str(gguf_files["draft.gguf"])]
     assert main([*argv, "-n", "12", "-t", "1", "--no-plots", "--tasks", "completion", "--out", str(out)]) == 0
     results = json.loads((out / "results.json").read_text())
     assert not any(name.startswith("hf-") for name in results["systems"])  # transformers' generate: no

@@ -247,23 +247,21 @@ def _by(rows: list[dict]) -> dict[tuple[str, int], dict]:
     return {(row["system"], row["concurrency"]): row for row in rows}
 
 
-def _table(rows: list[dict], systems: list[str], levels: list[int]) -> Table:
-    table = Table(title="tokens/s (p50 latency s) by concurrency; x: vs the system before it")
-    table.add_column("system")
-    for c in levels:
-        table.add_column(f"C={c}", justify="right")
+def _grid(rows: list[dict], systems: list[str], levels: list[int], cell) -> list[tuple[str, list[str]]]:
+    """Per system, cell(row, ratio) at each concurrency; ratio: tokens/s against the system's
+    baseline (None for the first system)."""
     index = _by(rows)
+    grid = []
     for position, name in enumerate(systems):
         cells = []
         for c in levels:
             row = index[(name, c)]
-            cell = f"{row['tokens_per_second']:.0f} ({row['p50_s']:.2f})"
-            if position > 0:
-                base = index[(_baseline(systems, position), c)]
-                cell += f" {row['tokens_per_second'] / base['tokens_per_second']:.2f}x"
-            cells.append(cell)
-        table.add_row(name, *cells)
-    return table
+            base = None if position == 0 else index[(_baseline(systems, position), c)]
+            cells.append(
+                cell(row, None if base is None else row["tokens_per_second"] / base["tokens_per_second"])
+            )
+        grid.append((name, cells))
+    return grid
 
 
 def _baseline(systems: list[str], position: int) -> str:
@@ -273,22 +271,28 @@ def _baseline(systems: list[str], position: int) -> str:
     return systems[0]
 
 
+def _table(rows: list[dict], systems: list[str], levels: list[int]) -> Table:
+    table = Table(title="tokens/s (p50 latency s) by concurrency; x: vs its baseline")
+    table.add_column("system")
+    for c in levels:
+        table.add_column(f"C={c}", justify="right")
+
+    def cell(row: dict, ratio: float | None) -> str:
+        text = f"{row['tokens_per_second']:.0f} ({row['p50_s']:.2f})"
+        return text if ratio is None else f"{text} {ratio:.2f}x"
+
+    for name, cells in _grid(rows, systems, levels, cell):
+        table.add_row(name, *cells)
+    return table
+
+
 def markdown(rows: list[dict], systems: list[str], levels: list[int]) -> str:
-    index = _by(rows)
-    lines = [
-        "| system | " + " | ".join(f"C={c}" for c in levels) + " |",
-        "|---|" + "---:|" * len(levels),
-    ]
-    for position, name in enumerate(systems):
-        cells = []
-        for c in levels:
-            row = index[(name, c)]
-            cell = f"{row['tokens_per_second']:.0f} tok/s, p50 {row['p50_s']:.2f} s, p99 {row['p99_s']:.2f} s"
-            if position > 0:
-                base = index[(_baseline(systems, position), c)]
-                cell += f", **{row['tokens_per_second'] / base['tokens_per_second']:.2f}x**"
-            cells.append(cell)
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    def cell(row: dict, ratio: float | None) -> str:
+        text = f"{row['tokens_per_second']:.0f} tok/s, p50 {row['p50_s']:.2f} s, p99 {row['p99_s']:.2f} s"
+        return text if ratio is None else f"{text}, **{ratio:.2f}x**"
+
+    lines = ["| system | " + " | ".join(f"C={c}" for c in levels) + " |", "|---|" + "---:|" * len(levels)]
+    lines += [f"| {name} | " + " | ".join(cells) + " |" for name, cells in _grid(rows, systems, levels, cell)]
     return "\n".join(lines) + "\n"
 
 
