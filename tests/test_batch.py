@@ -252,6 +252,7 @@ def test_generate_batch_with_eagle3_equals_alone(zoo, mode, exactness_log):
     drafted = 0
     for ours, expected in zip(results, solo, strict=True):
         assert ours.tokens == expected.tokens
+        assert not any(strategy.n_failed for strategy in ours.stats.strategies)
         drafted += ours.stats.totals.n_drafted
         exactness_log.record(f"batch/eagle3-{mode}", "native", ours.stats, ours.stats.stop_reason, "float64")
     assert drafted > 0

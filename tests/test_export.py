@@ -215,7 +215,7 @@ def test_model_gguf_holds_the_model_and_its_tokenizer(tmp_path):
     reader = gguf.GGUFReader(path)
     fields = {name: field.contents() for name, field in reader.fields.items()}
     assert fields["general.architecture"] == "llama" and fields["llama.block_count"] == 4
-    assert fields["tokenizer.ggml.model"] == "gpt2" and fields["tokenizer.ggml.pre"] == "gpt2"
+    assert fields["tokenizer.ggml.model"] == "gpt2" and fields["tokenizer.ggml.pre"] == "gpt-2"
     tokens = fields["tokenizer.ggml.tokens"]
     assert len(tokens) == VOCAB_SIZE and tokens[0] == "<|bos|>" and fields["tokenizer.ggml.bos_token_id"] == 0
     assert fields["tokenizer.ggml.token_type"][:4] == [3, 3, 3, 1]  # the specials are control tokens

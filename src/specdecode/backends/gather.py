@@ -110,7 +110,10 @@ class DraftPasses:
             by_key.setdefault(request.key, []).append(request)
         for group in by_key.values():
             try:
-                results = group[0].run([r.item for r in group])
+                # Inference mode is per thread, and the thread that runs the call may have left
+                # its own drafting (and its inference mode) already.
+                with torch.inference_mode():
+                    results = group[0].run([r.item for r in group])
                 self.passes += 1
             except Exception as exc:
                 results = [exc] * len(group)
