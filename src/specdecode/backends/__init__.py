@@ -117,6 +117,13 @@ def hidden_state_source(backend: Backend, why: str) -> HiddenStates:
     return backend  # type: ignore[return-value]
 
 
+def check_cache_room(name: str, cached: int, new: int, n_ctx: int) -> None:
+    """Refuse a pass that would append more tokens than the context holds (every backend's
+    `evaluate`, before it changes anything)."""
+    if cached + new > n_ctx:
+        raise SpecdecodeError(f"{name}: context full ({cached} + {new} tokens > n_ctx {n_ctx})")
+
+
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     """Length of the longest common prefix of two id sequences."""
     n = min(len(a), len(b))

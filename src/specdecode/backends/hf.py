@@ -21,7 +21,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from specdecode.backends import VocabInfo
+from specdecode.backends import VocabInfo, check_cache_room
 from specdecode.backends.hidden import HiddenRecorder, HiddenRows, recording
 from specdecode.backends.tree import PendingTree, check_tree_room
 from specdecode.errors import SpecdecodeError
@@ -192,10 +192,7 @@ class HFBackend:
     def evaluate(self, ids: Sequence[int], logits_rows: int | None = None) -> torch.Tensor:
         total = len(ids)
         assert total > 0, "evaluate needs at least one token"
-        if len(self._tokens) + total > self.n_ctx:
-            raise SpecdecodeError(
-                f"{self.name}: context full ({len(self._tokens)} + {total} tokens > n_ctx {self.n_ctx})"
-            )
+        check_cache_room(self.name, len(self._tokens), total, self.n_ctx)
         self._drop_tree()
         wanted = total if logits_rows is None else min(logits_rows, total)
         first_wanted = total - wanted

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from specdecode.backends import check_cache_room
 from specdecode.backends.batch import RowGroup
 from specdecode.backends.hf import HFBackend
 from specdecode.backends.hidden import HiddenRows
@@ -410,7 +411,7 @@ class NativeBackend(HFBackend):
             backend = group.backend
             assert isinstance(backend, NativeBackend) and backend.weights is self.weights
             if group.parents is None:
-                backend._check_room(len(group.ids))
+                check_cache_room(backend.name, len(backend.tokens), len(group.ids), backend.n_ctx)
             else:
                 check_tree_room(
                     backend.name, len(backend.tokens), len(backend._tree), len(group.ids), backend.n_ctx
@@ -433,12 +434,6 @@ class NativeBackend(HFBackend):
         if logits.dtype != torch.float64:
             logits = logits.float().cpu()
         return list(logits.split(wanted))
-
-    def _check_room(self, n: int) -> None:
-        if len(self._tokens) + n > self.n_ctx:
-            raise SpecdecodeError(
-                f"{self.name}: context full ({len(self._tokens)} + {n} tokens > n_ctx {self.n_ctx})"
-            )
 
     def _linear_rows(self, chunk: Sequence[int]) -> Rows:
         """Rows appended after the cached tokens, each seeing every position before it."""
