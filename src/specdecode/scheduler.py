@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 from functools import partial
 
 from specdecode.backends import Backend
-from specdecode.backends.batch import evaluate_groups, score_alone
-from specdecode.backends.gather import DraftPasses
+from specdecode.backends.batch import evaluate_each
+from specdecode.backends.gather import DraftPasses, outcome
 from specdecode.generate import Chunk, Generation, StepPlan
 from specdecode.policy import CostModel
 
@@ -241,7 +241,8 @@ class BatchEngine:
         if not plans:
             return 0
         start = time.perf_counter()
-        logits = self._score([plan for _, plan in plans])
+        # One shared pass; if it fails, each plan alone, so a failure is its sequence's own.
+        logits = evaluate_each([plan.rows for _, plan in plans])
         seconds = time.perf_counter() - start
         rows = sum(len(plan.rows) for _, plan in plans)
         if self.rule is not None:
@@ -273,7 +274,7 @@ class BatchEngine:
         if self.draft_passes is not None and sum(cap != 0 for cap in caps) > 1:
             plans = self.draft_passes.round(jobs)
         else:
-            plans = [_outcome(job) for job in jobs]
+            plans = [outcome(job) for job in jobs]
         drafted = sum(len(p.draft.tokens) for p in plans if isinstance(p, StepPlan))
         if drafted:
             seconds = (time.perf_counter() - start) / drafted
@@ -292,23 +293,6 @@ class BatchEngine:
         return cap
 
     @staticmethod
-    def _score(plans: list[StepPlan]) -> list:
-        """Logits per plan from one shared pass; if that pass fails, each plan alone, so that
-        one sequence's failure is its own (its slot in the list holds the exception)."""
-        try:
-            return evaluate_groups([plan.rows for plan in plans])
-        except Exception:
-            results: list = []
-            for plan in plans:
-                backend = plan.rows.backend
-                backend.truncate(len(backend.tokens))  # drop nodes the failed pass left pending
-                try:
-                    results.append(score_alone(plan.rows))
-                except Exception as exc:
-                    results.append(exc)
-            return results
-
-    @staticmethod
     def _guarded(entry: Entry, work: Callable[[], object]):
         """Run one sequence's part of a step; an exception fails that sequence alone."""
         try:
@@ -321,11 +305,3 @@ class BatchEngine:
     def _deliver(entry: Entry, chunk: Chunk | None) -> None:
         if chunk is not None and (chunk.tokens or chunk.text):
             entry.emit(chunk)
-
-
-def _outcome(job: Callable[[], object]) -> object:
-    """job(), or the exception it raised: one sequence's failure is its own."""
-    try:
-        return job()
-    except Exception as exc:
-        return exc

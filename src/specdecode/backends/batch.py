@@ -102,3 +102,19 @@ def _packed(indices: list[int], groups: Sequence[RowGroup]) -> list[list[int]]:
             batches.append([index])
             rows = size
     return batches
+
+
+def evaluate_each(groups: list[RowGroup]) -> list:
+    """Logits of every group from shared passes; if those fail, each group alone, so that a
+    failure is only the failing group's."""
+    try:
+        return evaluate_groups(groups)
+    except Exception:
+        results: list = []
+        for group in groups:
+            group.backend.truncate(len(group.backend.tokens))  # drop nodes a failed pass left pending
+            try:
+                results.append(score_alone(group))
+            except Exception as exc:
+                results.append(exc)
+        return results

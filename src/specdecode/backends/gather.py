@@ -27,7 +27,7 @@ from typing import TypeVar
 import torch
 
 from specdecode.backends import Backend
-from specdecode.backends.batch import RowGroup, evaluate_groups, score_alone
+from specdecode.backends.batch import RowGroup, evaluate_each
 
 T = TypeVar("T")
 
@@ -62,7 +62,7 @@ class DraftPasses:
         """Run every callable (one sequence's drafting each) in a thread of its own, their
         model passes shared; each result, or the exception it raised, in order."""
         if len(work) < 2:
-            return [_outcome(job) for job in work]
+            return [outcome(job) for job in work]
         if self._pool is None or self._threads < len(work):  # every member needs its thread
             if self._pool is not None:
                 self._pool.shutdown(wait=False)
@@ -77,7 +77,7 @@ class DraftPasses:
         with self._baton:
             self._local.member = True
             try:
-                return _outcome(job)
+                return outcome(job)
             finally:
                 self._local.member = False
                 self._remaining -= 1
@@ -123,22 +123,6 @@ class DraftPasses:
         self._baton.notify_all()
 
 
-def evaluate_each(groups: list[RowGroup]) -> list:
-    """Logits of every group from shared passes; if those fail, each group alone, so that a
-    failure is only the failing group's."""
-    try:
-        return evaluate_groups(groups)
-    except Exception:
-        results: list = []
-        for group in groups:
-            group.backend.truncate(len(group.backend.tokens))  # drop nodes a failed pass left pending
-            try:
-                results.append(score_alone(group))
-            except Exception as exc:
-                results.append(exc)
-        return results
-
-
 class GatheredBackend:
     """A draft backend whose passes join the round's shared pass (see `DraftPasses`); every
     other attribute is the wrapped backend's."""
@@ -176,7 +160,8 @@ class GatheredHead:
         return self.passes.gather(self.inner, (tokens, g, start, cache), self.inner.step_many)
 
 
-def _outcome(job: Callable[[], T]) -> T | BaseException:
+def outcome(job: Callable[[], T]) -> T | BaseException:
+    """job(), or the exception it raised: one sequence's failure is its own."""
     try:
         return job()
     except Exception as exc:
