@@ -11,7 +11,6 @@ print(run.stats.format())
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,10 +22,10 @@ from specdecode.backends.load import load_backend
 from specdecode.chain import Chain
 from specdecode.constraints import Constraint, ConstraintSpec
 from specdecode.errors import SpecdecodeError
-from specdecode.generate import Chunk, Generation, GenerationConfig, check_room
+from specdecode.generate import Generation, GenerationConfig, check_room
 from specdecode.policy import AdaptivePolicy, PolicyModels, check_policy
 from specdecode.sampling import Sampler, SamplingParams
-from specdecode.scheduler import BatchEngine, LoadRule
+from specdecode.scheduler import BatchEngine, Entry, LoadRule
 from specdecode.stats import GenerationStats
 from specdecode.strategies import DraftModelConfig, NgramSettings, SharedState, SpecSetup, build_strategies
 from specdecode.strategies.eagle3_checkpoint import load_head
@@ -219,28 +218,19 @@ class Pipeline:
         for ids in encoded:  # every request checked before any work
             check_room(ids, config.n_predict, self.target.n_ctx)
         passes, seats = self._seats(min(max_sequences, len(prompts)))
-        free = deque(seats)
         engine = BatchEngine(self.load_rule() if load_rule else None, draft_passes=passes)
-        waiting = deque(range(len(prompts)))
-        running: dict[int, tuple[int, Pipeline]] = {}  # id(entry) -> (prompt index, its seat)
         results: list[Result | None] = [None] * len(prompts)
-        try:
-            while waiting or len(engine):
-                while waiting and free:
-                    index, seat = waiting.popleft(), free.popleft()
-                    generation = seat.stream(encoded[index], samplings[index], config, constraint=constraint)
-                    entry = engine.add(generation, _ignore)
-                    running[id(entry)] = (index, seat)
-                for entry in engine.step():
-                    index, seat = running.pop(id(entry))
-                    if entry.error is not None:
-                        raise entry.error
-                    run = entry.generation
-                    results[index] = Result(run.text, run.tokens, run.stats)
-                    free.append(seat)
-        finally:
-            for entry in engine.entries:  # after a failure: the others end too
-                entry.generation.close()
+
+        def start(seat: Pipeline, index: int) -> Generation:
+            return seat.stream(encoded[index], samplings[index], config, constraint=constraint)
+
+        def done(index: int, entry: Entry) -> None:
+            if entry.error is not None:
+                raise entry.error
+            run = entry.generation
+            results[index] = Result(run.text, run.tokens, run.stats)
+
+        engine.run(seats, len(prompts), start, done)
         return results  # type: ignore[return-value]
 
     def _seats(self, count: int) -> tuple[DraftPasses | None, list[Pipeline]]:
@@ -280,7 +270,3 @@ class Pipeline:
                 "with --spec-replace TARGET DRAFT."
             )
         return VocabTranslator(self.target, self.draft, replacements)
-
-
-def _ignore(chunk: Chunk) -> None:
-    """generate_batch reads results at the end, not chunks as they come."""

@@ -26,9 +26,11 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
+from typing import TypeVar
 
 from specdecode.backends import Backend
 from specdecode.backends.batch import evaluate_each
@@ -46,6 +48,7 @@ EXPLORE_EVERY = 16  # one step in this many tries the way the gate did not choos
 GATE_EMA = 0.2  # weight of the newest step in the gate's throughput averages
 
 logger = logging.getLogger(__name__)
+Seat = TypeVar("Seat")  # what a generation runs on (a fork of a pipeline)
 
 
 @dataclass
@@ -200,6 +203,32 @@ class BatchEngine:
         self.entries.append(entry)
         return entry
 
+    def run(
+        self,
+        seats: Sequence[Seat],
+        count: int,
+        start: Callable[[Seat, int], Generation],
+        done: Callable[[int, Entry], None],
+    ) -> None:
+        """Generations 0..count-1, as many at once as there are seats: start(seat, i) makes
+        generation i on a free seat, done(i, entry) receives it once it has left the batch
+        (finished, or failed: entry.error), and its seat takes the next one. If a callback
+        raises, the generations still running are closed."""
+        waiting, free = deque(range(count)), deque(seats)
+        running: dict[int, tuple[int, Seat]] = {}  # id(entry) -> (generation index, its seat)
+        try:
+            while waiting or self.entries:
+                while waiting and free:
+                    index, seat = waiting.popleft(), free.popleft()
+                    running[id(self.add(start(seat, index), _ignore))] = (index, seat)
+                for entry in self.step():
+                    index, seat = running.pop(id(entry))
+                    done(index, entry)
+                    free.append(seat)
+        finally:
+            for entry in self.entries:
+                entry.generation.close()
+
     def step(self) -> list[Entry]:
         """One step of every sequence; returns the entries that left (finished, failed or
         cancelled), already closed."""
@@ -305,3 +334,7 @@ class BatchEngine:
     def _deliver(entry: Entry, chunk: Chunk | None) -> None:
         if chunk is not None and (chunk.tokens or chunk.text):
             entry.emit(chunk)
+
+
+def _ignore(chunk: Chunk) -> None:
+    """`run`'s callers read whole generations, not chunks as they come."""

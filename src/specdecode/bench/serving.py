@@ -24,7 +24,6 @@ import queue
 import statistics
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,9 +37,9 @@ from specdecode.backends.load import load_backend
 from specdecode.bench.tasks import build_tasks
 from specdecode.defaults import resolve_models
 from specdecode.errors import SpecdecodeError
-from specdecode.generate import GenerationConfig
+from specdecode.generate import Generation, GenerationConfig
 from specdecode.sampling import SamplingParams
-from specdecode.scheduler import BatchEngine, LoadRule
+from specdecode.scheduler import BatchEngine, Entry, LoadRule
 from specdecode.strategies import DraftModelConfig
 
 DEFAULT_SYSTEMS = "threads,batched,batched:draft,batched:ngram-mod"
@@ -211,25 +210,23 @@ def _batched(
     """The batch engine over one seat per client; a finished request's seat takes the next."""
     passes: list[int] = []
     engine.on_pass = lambda record: passes.append(record.sequences)
-    waiting = deque(range(len(requests)))
-    free = deque(seats)
-    running: dict[int, tuple[int, Pipeline, float]] = {}
     answers: list[list[int]] = [[] for _ in requests]
+    began: dict[int, float] = {}
     latencies: list[float] = []
-    start = time.perf_counter()
-    while waiting or len(engine):
-        while waiting and free:
-            index, seat = waiting.popleft(), free.popleft()
-            entry = engine.add(seat.stream(requests[index], GREEDY, config), lambda chunk: None)
-            running[id(entry)] = (index, seat, time.perf_counter())
-        for entry in engine.step():
-            index, seat, began = running.pop(id(entry))
-            if entry.error is not None:
-                raise entry.error
-            latencies.append(time.perf_counter() - began)
-            answers[index] = entry.generation.tokens
-            free.append(seat)
-    seconds = time.perf_counter() - start
+
+    def start(seat: Pipeline, index: int) -> Generation:
+        began[index] = time.perf_counter()
+        return seat.stream(requests[index], GREEDY, config)
+
+    def done(index: int, entry: Entry) -> None:
+        if entry.error is not None:
+            raise entry.error
+        latencies.append(time.perf_counter() - began[index])
+        answers[index] = entry.generation.tokens
+
+    first = time.perf_counter()
+    engine.run(seats, len(requests), start, done)
+    seconds = time.perf_counter() - first
     tokens = sum(len(a) for a in answers)
     mean_batch = sum(passes) / len(passes) if passes else 0.0
     return Level(name, len(seats), len(requests), tokens, seconds, latencies, 0, mean_batch), answers
