@@ -426,11 +426,15 @@ class NativeBackend(HFBackend):
             else:
                 parts.append(backend._tree_rows_of(group.ids, group.parents))
         wanted = [group.wanted for group in groups]
-        rows, start = [], 0
-        for group, count in zip(groups, wanted, strict=True):
-            rows.extend(range(start + len(group) - count, start + len(group)))
-            start += len(group)
-        logits = self._run(parts, torch.tensor(rows, device=self.device))
+        total = sum(len(group) for group in groups)
+        keep: int | torch.Tensor = total  # verify passes want every row: no gather of rows
+        if sum(wanted) < total:
+            rows, start = [], 0
+            for group, count in zip(groups, wanted, strict=True):
+                rows.extend(range(start + len(group) - count, start + len(group)))
+                start += len(group)
+            keep = torch.tensor(rows, device=self.device)
+        logits = self._run(parts, keep)
         if logits.dtype != torch.float64:
             logits = logits.float().cpu()
         return list(logits.split(wanted))
