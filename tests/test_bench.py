@@ -18,6 +18,7 @@ from specdecode.bench.systems import build_systems, system_names
 from specdecode.bench.tasks import TASK_NAMES, build_tasks
 from specdecode.cli import main
 from specdecode.errors import SpecdecodeError
+from specdecode.sampling import SamplingParams
 from specdecode.strategies import DraftModelConfig, NgramSettings
 from specdecode.testing import make_llama, make_tokenizer, perturbed_copy, save_model
 
@@ -45,8 +46,10 @@ def test_quick_run_writes_json_markdown_and_plots_with_every_system(pair, tmp_pa
     assert {(r["task"], r["system"]) for r in rows} == {(t, s) for t in TASK_NAMES for s in expected}
     for row in rows:
         assert row["tokens_per_second"] > 0 and row["runs"] == 1
-        if row["family"] == "ours":
-            assert row["exact_match_rate"] == 1.0, row  # greedy speculation changes nothing
+        if row["family"] == "ours":  # greedy and seeded speculation change nothing
+            assert row["exact_match_rate"] == 1.0, row
+        elif row["task"] == "free-t1":  # Hugging Face's sampler draws other tokens
+            assert row["exact_match_rate"] is None
     assert [s["draft_max"] for s in results["draft_max_sweep"]] == [2, 8]
     for name in ("speedup_by_task.png", "acceptance_by_position.png", "speedup_vs_draft_max.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -89,6 +92,44 @@ def test_bad_arguments_are_refused(pair, tmp_path, capsys):
     assert not (tmp_path / "results.json").exists()
 
 
+def test_static_settings_run_as_systems_and_adaptive_ones_are_compared_with_them(pair, tmp_path, capsys):
+    target, draft = pair
+    argv = ["bench", "-m", str(target), "-md", str(draft), "--systems", "draft,draft@adaptive,ngram-mod"]
+    argv += ["--static-grid", "0.3,0.75:2,16", "--tasks", "completion,free-t1", "--prompts-per-task", "1"]
+    argv += ["-n", "12", "--runs", "1", "--warmup", "0", "--sweep", "0", "--no-plots", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    # the run's own setting (0.75 / 16) is the classic system itself
+    assert results["systems"] == [
+        "plain", "ngram-mod", "draft", "draft@adaptive", "draft@0.3/2", "draft@0.3/16", "draft@0.75/2",
+    ]  # fmt: skip
+    assert all(row["exact_match_rate"] == 1.0 for row in results["rows"])
+    comparison = results["static_comparison"]["draft@adaptive"]
+    assert set(comparison["tasks"]) == {"completion", "free-t1"}
+    speedups = {(r["task"], r["system"]): r["speedup_vs_plain"] for r in results["rows"]}
+    completion = comparison["tasks"]["completion"]
+    assert completion["best_static"] == max(
+        speedups["completion", name] for name in results["systems"][2:] if name != "draft@adaptive"
+    )
+    assert completion["best_any"] == max(
+        speedups["completion", name] for name in results["systems"][1:] if name != "draft@adaptive"
+    )
+    assert completion["classic"] == speedups["completion", "draft"]
+    assert "draft@adaptive (x plain) against the classic settings" in capsys.readouterr().out
+
+
+def test_static_settings_are_checked(pair, tmp_path, capsys):
+    target, draft = pair
+    base = ["bench", "-m", str(target), "-md", str(draft), "--quick", "--out", str(tmp_path)]
+    assert main([*base, "--systems", "draft@fast/8"]) == 2
+    assert "P/N" in capsys.readouterr().err
+    assert main([*base, "--systems", "draft@1.5/8"]) == 2
+    assert main([*base, "--systems", "nothing@0.3/8"]) == 2
+    assert main([*base, "--static-grid", "0.3"]) == 2
+    assert "--static-grid" in capsys.readouterr().err
+    assert not (tmp_path / "results.json").exists()
+
+
 def test_tasks_come_from_held_out_files_and_are_deterministic():
     first, second = build_tasks(TASK_NAMES, 3), build_tasks(TASK_NAMES, 3)
     assert first == second
@@ -97,7 +138,10 @@ def test_tasks_come_from_held_out_files_and_are_deterministic():
     assert all(p.startswith("# ") and p.endswith("# After:\n") for p in by_name["editing"].prompts)
     assert all(p.endswith('DOC = """') for p in by_name["extraction"].prompts)
     assert all(p.lstrip().startswith(("def ", "async def ")) for p in by_name["completion"].prompts)
-    assert len({p for task in first for p in task.prompts}) == 12
+    assert len({p for task in first for p in task.prompts}) == 12  # free-t1 samples free's prompts
+    assert by_name["free-t1"].prompts == by_name["free"].prompts
+    assert by_name["free-t1"].sampling(1) == SamplingParams(temperature=1.0, seed=1)
+    assert by_name["free"].sampling(1).greedy
     with pytest.raises(SpecdecodeError, match="prompts per task"):
         build_tasks(["free"], 0)
 

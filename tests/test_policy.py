@@ -23,6 +23,7 @@ from specdecode.policy import (
     PolicyModels,
     Record,
     Stopper,
+    depth_cell,
     expected_tokens,
 )
 from specdecode.strategies import Draft
@@ -102,6 +103,27 @@ def test_pass_costs_are_a_line_through_the_timings_that_follows_the_passes_run()
     assert costs.pass_time(3) == pytest.approx(0.024, rel=0.1)  # the timings still count a little
 
 
+def test_long_passes_get_a_second_slope_once_they_are_run():
+    costs = CostModel()
+    costs.calibrated.update({1: 0.010, 9: 0.014, 17: 0.018})  # 0.5 ms a row
+    assert costs.pass_time(49) == pytest.approx(0.034)  # nothing beyond 17 rows seen: the line goes on
+    for _ in range(30):
+        costs.observe_pass(33, 0.030)  # 0.75 ms a row past 17
+        costs.observe_pass(49, 0.042)
+        costs.observe_pass(5, 0.012)
+    assert costs.pass_time(5) == pytest.approx(0.012, rel=0.02)
+    assert costs.pass_time(41) == pytest.approx(0.036, rel=0.02)
+    assert costs.pass_time(65) == pytest.approx(0.054, rel=0.02)
+
+
+def test_pass_costs_never_fall_with_more_rows():
+    costs = CostModel()
+    costs.calibrated.update({1: 0.010, 17: 0.018})
+    for _ in range(30):
+        costs.observe_pass(33, 0.012)  # long passes timed cheaper (noise): no falling slope
+    assert costs.pass_time(49) >= costs.pass_time(33) >= costs.pass_time(17) >= costs.pass_time(1)
+
+
 def test_a_noisy_timing_does_not_make_one_more_row_free_or_dear():
     costs = CostModel()
     costs.calibrated.update({1: 0.012, 2: 0.0135, 3: 0.0213, 5: 0.0218, 9: 0.0264, 17: 0.0336})
@@ -170,6 +192,30 @@ def test_model_free_acceptance_inherits_the_depth_above():
     assert third == pytest.approx(second)  # never seen: its prior, the estimate above
 
 
+def test_deep_depths_share_cells():
+    assert [depth_cell(d) for d in (1, 8, 9, 12, 13, 16, 17, 24, 25, 40, 48, 49, 64, 65)] == [
+        1,
+        8,
+        9,
+        9,
+        13,
+        13,
+        17,
+        17,
+        25,
+        33,
+        33,
+        49,
+        49,
+        65,
+    ]
+    acceptance = AcceptanceModel()
+    for _ in range(10):
+        acceptance.observe("ngram-mod", [None] * 40, 40)  # kept to depth 40, the end of the draft
+    assert acceptance.estimate("ngram-mod", 47, None, 0.5) > 0.9  # depth 40's cell speaks for 47
+    assert acceptance.estimate("ngram-mod", 49, None, 0.5) == 0.5  # never reached: its prior
+
+
 def test_only_the_depths_verification_reached_are_counted():
     acceptance = AcceptanceModel()
     acceptance.observe("ngram-simple", [None] * 5, 2)
@@ -235,6 +281,10 @@ def test_chain_prefers_the_strategy_with_the_better_record():
     assert models.costs.measured[5] == [1, 0.015]
 
 
+def cells_of(models: PolicyModels, strategy: str) -> dict[int, list[float]]:
+    return {depth: counts for (name, depth, _), counts in models.acceptance.cells.items() if name == strategy}
+
+
 def test_drafts_not_chosen_are_scored_against_the_emitted_tokens():
     models = PolicyModels(costs=cpu_costs())
     teach(models, "b", 4, 4, 50)
@@ -242,9 +292,42 @@ def test_drafts_not_chosen_are_scored_against_the_emitted_tokens():
     chain = Chain([a, b], AdaptivePolicy(models, counterfactual=True))
     draft = chain.draft([1, 2], 3, 16)
     assert draft.strategy == "b"
+    before = {depth: list(counts) for depth, counts in cells_of(models, "b").items()}
     chain.accept(draft, 2, 0.015, [5, 6, 7])  # b's first two kept, then the target said 7
-    cells = {depth: counts for (name, depth, _), counts in models.acceptance.cells.items() if name == "a"}
-    assert cells == {1: [1.0, 0.0], 2: [1.0, 0.0], 3: [1.0, 0.0]}  # a would have had 3; its 4th unknown
+    assert cells_of(models, "a") == {}  # a's 4th token is not known yet: a waits
+    assert cells_of(models, "b")[3][1] == pytest.approx(before[3][1] * 0.98 + 1)  # b's 3rd was rejected
+    a.tokens = b.tokens = []  # nothing drafted in the next step, which emits 8 and 4
+    chain.draft([1, 2, 3, 5, 6], 7, 16)
+    chain.accept(Draft(), 0, 0.012, [8])
+    assert cells_of(models, "a") == {1: [1.0, 0.0], 2: [1.0, 0.0], 3: [1.0, 0.0], 4: [1.0, 0.0]}
+
+
+def test_a_draft_cut_short_and_kept_shows_whether_its_rest_was_right():
+    """Counted only as verified, a draft cut to k tokens and kept whole would never show its
+    (k+1)-th token right, and its lengths could only shrink: its rest is scored too."""
+    models = PolicyModels(costs=cpu_costs())
+    teach(models, "a", 2, 3, 50)  # so far: 2 kept of every 3
+    a = Fixed("a", [5, 6, 7, 8, 9, 10])
+    policy = AdaptivePolicy(models, counterfactual=True)
+    chain = Chain([a], policy)
+    draft = chain.draft([1, 2], 3, 16)
+    assert len(draft.tokens) in (2, 3)
+    chain.accept(draft, len(draft.tokens), 0.015, [5, 6, 7][: len(draft.tokens) + 1])
+    for _ in range(40):  # the copy goes on, and a keeps being cut but right
+        a.tokens = []
+        chain.draft([1], 2, 16)
+        chain.accept(Draft(), 0, 0.012, [8, 9, 10])
+        a.tokens = [5, 6, 7, 8, 9, 10]
+        draft = chain.draft([1, 2], 3, 16)
+        chain.accept(draft, len(draft.tokens), 0.015, [5, 6, 7, 8, 9, 10][: len(draft.tokens) + 1])
+    assert chain.draft([1, 2], 3, 16).tokens == [5, 6, 7, 8, 9, 10]
+
+
+def test_counterfactual_scores_are_kept_for_counterfactual_verification_only():
+    models = PolicyModels(costs=cpu_costs())
+    policy = AdaptivePolicy(models, counterfactual=False)
+    policy.watch({"a": [5, 6]}, [5, 7])
+    assert models.acceptance.cells == {}
 
 
 def test_chain_takes_a_plain_step_and_skips_a_model_that_does_not_pay():

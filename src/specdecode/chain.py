@@ -125,7 +125,7 @@ class Chain:
             draft = self._ask(index, history, last, n_max).truncated(n_max).simplified()
             if draft.tokens and draft.is_chain:
                 k, gain = policy.best_length(strategy.name, len(draft.tokens), time.perf_counter() - start)
-                step.drafts[index] = draft.tokens
+                step.drafts[strategy.name] = draft.tokens
                 if k > 0:
                     candidates.append((gain, index, draft.truncated(k)))
         t_sunk = time.perf_counter() - start
@@ -152,9 +152,6 @@ class Chain:
                     best_index, best_draft = index, draft.truncated(n_max)
             policy.skipped([name for name in names if name != step.model])
         step.t_draft = time.perf_counter() - start
-        step.others = {
-            self.strategies[i].name: tokens for i, tokens in step.drafts.items() if i != best_index
-        }
         if best_index < 0:
             return Draft()
         step.strategy = self.strategies[best_index].name
@@ -213,8 +210,7 @@ class _Step:
         self.stopper: Stopper | None = None  # its stopping rule, which saw its confidences
         self.t_draft = 0.0
         self.t_model = 0.0
-        self.drafts: dict[int, list[int]] = {}  # model-free strategy -> its draft
-        self.others: dict[str, list[int]] = {}  # the drafts not verified, by strategy
+        self.drafts: dict[str, list[int]] = {}  # model-free strategy -> its whole draft
 
     def report(
         self, policy: AdaptivePolicy, draft: Draft, n_accepted: int, t_pass: float, emitted: Sequence[int]
@@ -228,4 +224,4 @@ class _Step:
         policy.observe(
             self.strategy, confidences, n_accepted, self.t_draft, t_pass, self.model, steps, self.t_model
         )
-        policy.observe_unverified(self.others, emitted)
+        policy.watch(self.drafts, emitted)

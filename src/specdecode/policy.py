@@ -4,9 +4,10 @@
 model draft stops at the first token whose confidence is below p_min. Whether that pays
 depends on the text, the models and the machine, so `adaptive` measures instead:
 
-- Cost model: seconds of a target pass of T rows, a line a + b * T fitted to passes timed
-  briefly at load and to the passes actually run, recent ones weighing more (contexts grow,
-  machines get busy); and the seconds of one step of each drafting model.
+- Cost model: seconds of a target pass of T rows, a line a + b * T up to KNOT rows with a
+  second slope beyond (once passes that long have run), fitted to passes timed briefly at load
+  and to the passes actually run, recent ones weighing more (contexts grow, machines get
+  busy); and the seconds of one step of each drafting model.
 - Acceptance model: per strategy, depth and draft-confidence bucket, P(the token is kept |
   its parent was), counted from every verified draft with decay, starting from the draft's
   calibrated confidence (model drafts) or from the estimate one depth up (model-free drafts).
@@ -22,8 +23,10 @@ depends on the text, the models and the machine, so `adaptive` measures instead:
   case the text changed.
 
 Where verification keeps a draft token exactly when it equals the token emitted at its place
-(`match`, or greedy sampling), the model-free drafts that were not chosen are scored against
-the emitted tokens too, so a strategy that was passed over still gets its estimates updated.
+(`match`, or greedy sampling), every model-free draft is scored whole against the tokens
+emitted, over as many steps as that takes: the one not chosen, and the part of the chosen one
+that was cut off. Otherwise a strategy passed over would never be learnt from, and a draft cut
+to k tokens would never show that its (k+1)-th token was right, so lengths could only shrink.
 
 Drafts are chains: trees are left to `classic`. Whatever is drafted, verification keeps the
 output plain generation's, so the policy changes speed only.
@@ -35,6 +38,8 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from specdecode.backends import Backend, common_prefix
 from specdecode.errors import SpecdecodeError
@@ -50,7 +55,8 @@ EMA = 0.1  # weight of the newest observation in the moving averages
 CALIBRATION_WEIGHT = 2.0  # passes each load-time timing counts as in the cost fit
 FIT_DECAY = 0.98  # per pass run: the weight of older passes in the cost fit
 BUCKETS = 10  # confidence buckets of model drafts
-MAX_DEPTH = 64  # deeper tokens share the last depth's counts
+OWN_DEPTHS = 8  # depths with counts of their own; deeper ones share a cell per half-octave
+KNOT = 17  # rows where the pass cost's second slope starts (the longest pass timed at load)
 PRIOR_WEIGHT = 4.0  # pseudo-observations behind the prior of an acceptance estimate
 PRIOR_FREE = 0.5  # depth-1 prior of a model-free strategy, which reports no confidence
 DECAY = 0.98  # a cell's counts shrink by this at each update: recent text weighs more
@@ -66,17 +72,22 @@ def check_policy(name: str) -> str:
 class CostModel:
     """Seconds of target passes by row count, and of draft steps by strategy.
 
-    A pass of T rows costs a + b * T, fitted by least squares to the load-time timings (each
-    worth CALIBRATION_WEIGHT passes, always) and to the passes run (weights decaying by
-    FIT_DECAY a pass, so the fit follows a growing context or a busier machine). A line, not a
-    table: one size's noisy timing must not make one more row look free or dear."""
+    A pass of T rows costs a + b * T + c * max(0, T - KNOT), fitted by least squares to the
+    load-time timings (each worth CALIBRATION_WEIGHT passes, always) and to the passes run
+    (weights decaying by FIT_DECAY a pass, so the fit follows a growing context or a busier
+    machine). A line, not a table: one size's noisy timing must not make one more row look
+    free or dear. The second slope c is fitted only once passes longer than KNOT rows were
+    timed or run (a CPU's long passes grow faster than its short ones); until then the line
+    goes on."""
 
     def __init__(self) -> None:
         self.calibrated: dict[int, float] = {}  # rows -> the load-time median
         self.measured: dict[int, list[float]] = {}  # rows -> [count, total seconds] of passes run
         self.draft_step: dict[str, float] = {}  # strategy -> moving average of one step
-        self._sums = [0.0] * 5  # decayed sums over passes run: w, wT, wT^2, wy, wTy
-        self._line: tuple[float, float] | None = None  # (a, b), refitted after each change
+        # decayed sums over passes run of w * f f^T and w * f y, f = (1, T, max(0, T - KNOT))
+        self._gram = np.zeros((3, 3))
+        self._moment = np.zeros(3)
+        self._curve: np.ndarray | None = None  # (a, b, c), refitted after each change
 
     def calibrate(self, backend: Backend, rows: tuple[int, ...] = CALIBRATION_ROWS) -> None:
         """Time passes of each row count after a short context (a few reps, the median), leaving
@@ -95,34 +106,39 @@ class CostModel:
                 backend.truncate(len(context))
             self.calibrated[n] = sorted(samples[1:])[len(samples[1:]) // 2]
         backend.truncate(0)
-        self._line = None
+        self._curve = None
 
     def observe_pass(self, rows: int, seconds: float) -> None:
-        self._sums = [FIT_DECAY * total for total in self._sums]
-        for index, value in enumerate((1.0, rows, rows * rows, seconds, rows * seconds)):
-            self._sums[index] += value
-        self._line = None
+        features = _features(rows)
+        self._gram = FIT_DECAY * self._gram + np.outer(features, features)
+        self._moment = FIT_DECAY * self._moment + features * seconds
+        self._curve = None
         count_total = self.measured.setdefault(rows, [0, 0.0])
         count_total[0] += 1
         count_total[1] += seconds
 
     def pass_time(self, rows: float) -> float:
-        if self._line is None:
-            self._line = self._fit_line()
-        a, b = self._line
-        return a + b * rows
+        if self._curve is None:
+            self._curve = self._fit()
+        return float(_features(rows) @ self._curve)
 
-    def _fit_line(self) -> tuple[float, float]:
-        """(a, b) of the weighted least-squares line, b >= 0; the prior's before any timing."""
-        seeds = self.calibrated or {1: PRIOR_PASS, 17: PRIOR_PASS * _prior_shape(17)}
-        w, wt, wtt, wy, wty = self._sums
+    def _fit(self) -> np.ndarray:
+        """(a, b, c) of the weighted least-squares fit, b >= 0 and c >= -b (costs never fall
+        with more rows); the prior's before any timing."""
+        seeds = self.calibrated or {1: PRIOR_PASS, KNOT: PRIOR_PASS * _prior_shape(KNOT)}
+        gram, moment = self._gram.copy(), self._moment.copy()
         for n, seconds in seeds.items():
-            w, wt, wtt = w + CALIBRATION_WEIGHT, wt + CALIBRATION_WEIGHT * n, wtt + CALIBRATION_WEIGHT * n * n
-            wy, wty = wy + CALIBRATION_WEIGHT * seconds, wty + CALIBRATION_WEIGHT * n * seconds
-        spread = w * wtt - wt * wt
-        b = max(0.0, (w * wty - wt * wy) / spread) if spread > 0 else 0.0
-        a = (wy - b * wt) / w
-        return (a, b) if a > 0 else (wy / w, 0.0)  # never a pass for free: the mean, flat
+            features = _features(n)
+            gram += CALIBRATION_WEIGHT * np.outer(features, features)
+            moment += CALIBRATION_WEIGHT * features * seconds
+        if gram[2, 2] > 0:  # passes beyond the knot: fit the second slope
+            a, b, c = _solve(gram, moment)
+            if b >= 0 and c >= -b and a > 0:
+                return np.array([a, b, c])
+        a, b = _solve(gram[:2, :2], moment[:2])
+        if b < 0 or a <= 0:  # never a pass for free, never cheaper with more rows: the mean, flat
+            return np.array([moment[0] / gram[0, 0], 0.0, 0.0])
+        return np.array([a, b, 0.0])
 
     def observe_draft(self, strategy: str, steps: int, seconds: float) -> None:
         """A draft of `steps` steps took `seconds`: at most twice the estimate counts, since the
@@ -156,6 +172,16 @@ class CostModel:
 
 def _prior_shape(rows: float) -> float:
     return 1.0 + PRIOR_SLOPE * (rows - 1)
+
+
+def _features(rows: float) -> np.ndarray:
+    return np.array([1.0, rows, max(0.0, rows - KNOT)])
+
+
+def _solve(gram: np.ndarray, moment: np.ndarray) -> np.ndarray:
+    """The least-squares coefficients from the normal equations (a singular system, e.g. one
+    row count only, gets its minimum-norm solution)."""
+    return np.linalg.lstsq(gram, moment, rcond=None)[0]
 
 
 class AcceptanceModel:
@@ -192,7 +218,17 @@ class AcceptanceModel:
 
 def _cell(strategy: str, depth: int, confidence: float | None) -> tuple[str, int, int]:
     bucket = -1 if confidence is None else min(int(confidence * BUCKETS), BUCKETS - 1)
-    return strategy, min(depth, MAX_DEPTH), bucket
+    return strategy, depth_cell(depth), bucket
+
+
+def depth_cell(depth: int) -> int:
+    """The first depth of the cell `depth` counts in: depths up to OWN_DEPTHS have their own,
+    deeper ones share one per half-octave (9-12, 13-16, 17-24, 25-32, ...), so that what long
+    drafts showed at depth 40 also speaks for depth 41."""
+    if depth <= OWN_DEPTHS:
+        return depth
+    half = 1 << ((depth - 1).bit_length() - 1)  # the power of two below depth
+    return half + 1 if depth <= half + half // 2 else half + half // 2 + 1
 
 
 def expected_tokens(acceptances: list[float]) -> list[float]:
@@ -287,6 +323,7 @@ class AdaptivePolicy:
         self.models = models
         self.counterfactual = counterfactual
         self._idle: Counter[str] = Counter()  # drafting model -> steps since it was last run
+        self._watched: list[tuple[str, list[int], int]] = []  # (strategy, draft, tokens kept so far)
 
     @property
     def rate(self) -> float:
@@ -335,26 +372,37 @@ class AdaptivePolicy:
     ) -> None:
         """One verified step: `strategy`'s chain (None: a plain step) of len(confidences) tokens,
         n_accepted kept, drafted in t_draft seconds and verified in a pass of t_pass; `model` is
-        the drafting model run this step (if any), in model_steps steps taking t_model seconds."""
+        the drafting model run this step (if any), in model_steps steps taking t_model seconds.
+        A model-free chain is left to `watch` where verification is counterfactual."""
         models = self.models
         weight = EMA if models.step_seconds > 0 else 1.0
         models.step_tokens += weight * (1.0 + n_accepted - models.step_tokens)
         models.step_seconds += weight * (t_draft + t_pass - models.step_seconds)
         models.costs.observe_pass(len(confidences) + 1, t_pass)
         models.choices[(strategy or "none", len(confidences))] += 1
-        if strategy is not None:
-            models.acceptance.observe(strategy, confidences, n_accepted)
+        if strategy is not None and (strategy == model or not self.counterfactual):
+            models.acceptance.observe(strategy, confidences, n_accepted)  # else: `watch` scores it
         if model is not None:
             models.costs.observe_draft(model, model_steps, t_model)
             tokens, rows = 1.0 + n_accepted, len(confidences) + 1  # whoever drafted: what running it gave
             models.records.setdefault(model, Record()).update(tokens, rows)
 
-    def observe_unverified(self, drafts: dict[str, list[int]], emitted: Sequence[int]) -> None:
-        """Model-free drafts that were not verified, against the tokens the step emitted: each
-        would have been kept up to its first difference (unknown past the emitted tokens)."""
+    def watch(self, drafts: dict[str, list[int]], emitted: Sequence[int]) -> None:
+        """Score model-free drafts against the tokens emitted (counterfactual verification
+        only): this step's `drafts` (each strategy's whole draft, verified or not) and those of
+        earlier steps still unresolved. A draft is kept up to its first token that differs
+        from the one emitted at its place; one that reaches past the tokens emitted so far
+        waits for the next steps' tokens."""
         if not self.counterfactual:
             return
-        for strategy, tokens in drafts.items():
-            kept = common_prefix(tokens, emitted)
-            seen = kept + 1 if kept < min(len(tokens), len(emitted)) else kept
-            self.models.acceptance.observe(strategy, [None] * seen, kept)
+        waiting = []
+        for strategy, tokens, kept in [*self._watched, *((s, t, 0) for s, t in drafts.items() if t)]:
+            matched = common_prefix(tokens[kept:], emitted)
+            kept += matched
+            if kept == len(tokens):
+                self.models.acceptance.observe(strategy, [None] * kept, kept)
+            elif matched < len(emitted):  # a token differs: kept up to there
+                self.models.acceptance.observe(strategy, [None] * (kept + 1), kept)
+            else:
+                waiting.append((strategy, tokens, kept))
+        self._watched = waiting

@@ -5,6 +5,7 @@ specdecode bench --out bench-results  # the full suite: 3 prompts per task, 128 
 specdecode bench -m TARGET -md DRAFT --systems plain,draft,hf-plain,hf-assisted
 specdecode bench -m TARGET -md DRAFT -me HEAD --systems plain,draft,eagle3 --tasks completion
 specdecode bench --systems plain,draft,draft@adaptive   # a system's adaptive policy
+specdecode bench --systems plain,draft,draft@adaptive --static-grid 0.3,0.5,0.75:4,8,16
 """
 
 from __future__ import annotations
@@ -21,9 +22,17 @@ from specdecode.backends.hf import HFBackend, LoadOptions
 from specdecode.backends.load import load_backend
 from specdecode.bench import plots
 from specdecode.bench.metrics import summarize
-from specdecode.bench.report import policy_lines, policy_summary, print_tables, sweep_lines, write_outputs
+from specdecode.bench.report import (
+    policy_lines,
+    policy_summary,
+    print_tables,
+    static_comparison,
+    static_lines,
+    sweep_lines,
+    write_outputs,
+)
 from specdecode.bench.suite import Measurement, rounds, run_suite
-from specdecode.bench.systems import System, build_systems, draft_max_systems, system_names
+from specdecode.bench.systems import System, build_systems, draft_max_systems, static_grid, system_names
 from specdecode.bench.tasks import TASK_NAMES, Task, build_tasks, custom_task
 from specdecode.defaults import resolve_eagle3, resolve_models
 from specdecode.errors import SpecdecodeError, read_text_file
@@ -84,6 +93,12 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         help="comma-separated --draft-max values for the sweep (quick 2,8; full 1,2,4,8,16; 0: none)",
     )
     group.add_argument(
+        "--static-grid",
+        metavar="P,...:N,...",
+        help="also run every classic system that drafts with a model at each --draft-p-min P x "
+        "--draft-max N (as NAME@P/N), and report each adaptive system against the best of them",
+    )
+    group.add_argument(
         "--out", type=Path, default=Path("bench-results"), help="directory for JSON, Markdown, PNG"
     )
     group.add_argument("--no-plots", action="store_true", help="write no PNG files")
@@ -114,6 +129,21 @@ def _int_list(text: str) -> tuple[int, ...]:
     if any(v < 0 for v in values):
         raise SpecdecodeError("--sweep values must be >= 1 (or 0 for no sweep)")
     return tuple(v for v in values if v > 0)
+
+
+def grid_values(text: str | None) -> tuple[tuple[float, ...], tuple[int, ...]]:
+    """--static-grid "0.3,0.5:4,8" -> ((0.3, 0.5), (4, 8)); empty without the flag."""
+    if text is None:
+        return (), ()
+    p_text, colon, n_text = text.partition(":")
+    try:
+        p_mins = tuple(float(v) for v in p_text.split(",") if v.strip())
+        draft_maxes = tuple(int(v) for v in n_text.split(",") if v.strip())
+    except ValueError:
+        p_mins = draft_maxes = ()
+    if not colon or not p_mins or not draft_maxes:
+        raise SpecdecodeError(f"--static-grid takes P,...:N,... (e.g. 0.3,0.75:4,16), not {text!r}")
+    return p_mins, draft_maxes
 
 
 def bench_tasks(args: argparse.Namespace, per_task: int) -> list[Task]:
@@ -155,6 +185,7 @@ def run_bench(
             has_eagle3=eagle3 is not None,
         )
     )
+    names += static_grid(names, *grid_values(args.static_grid), draft_config)
     systems = build_systems(names, target, draft, draft_config, ngram, eagle3)
     for task in tasks:
         for prompt in task.prompts:
@@ -181,6 +212,9 @@ def run_bench(
         print(line)
     for name, summary in results["policies"].items():
         print("\n".join(policy_lines(name, summary)))
+    results["static_comparison"] = static_comparison(rows)
+    for line in static_lines(results["static_comparison"]):
+        print(line)
     written = write_outputs(args.out, results, rows, header)
     if not args.no_plots:
         written += _plots(rows, sweep, args.out)

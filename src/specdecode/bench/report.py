@@ -7,7 +7,8 @@ Columns, for each system on a task:
   nodes/pass draft tokens verified per target pass (a tree's nodes count each)
   ideal S    S(α, γ, c) from the measured α, γ and c (see `metrics`; chains only);  of S: measured / ideal
   d/v/o %    share of generation time spent drafting / verifying (target passes) / elsewhere
-  exact      share of runs whose tokens equal our plain greedy output
+  exact      share of runs whose tokens equal our plain output (greedy, or sampled with the
+             same seed; Hugging Face's sampler is not compared)
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from specdecode.bench.systems import ADAPTIVE, static_base
 from specdecode.errors import SpecdecodeError
 from specdecode.policy import PolicyModels
 
@@ -128,6 +130,65 @@ def policy_lines(name: str, summary: dict) -> list[str]:
     return lines
 
 
+def static_comparison(rows: Sequence[dict]) -> dict[str, dict]:
+    """Each adaptive system X@adaptive against, per task (speed-ups over plain): X with the
+    run's classic settings, the best of X's static settings run (X and X@P/N), and the best
+    classic system of ours of any strategy; then the means over tasks of adaptive / classic
+    and adaptive / best static."""
+    speedups = {(row["task"], row["system"]): row["speedup_vs_plain"] for row in rows}
+    classic = [
+        row["system"]
+        for row in rows
+        if row["family"] == "ours" and row["system"] != "plain" and not row["system"].endswith(ADAPTIVE)
+    ]
+    comparison: dict[str, dict] = {}
+    for adaptive in dict.fromkeys(row["system"] for row in rows if row["system"].endswith(ADAPTIVE)):
+        base = adaptive.removesuffix(ADAPTIVE)
+        tasks = {}
+        for task in dict.fromkeys(row["task"] for row in rows):
+            if (task, base) not in speedups or (task, adaptive) not in speedups:
+                continue
+            own = max((n for n in classic if static_base(n) == base), key=lambda n: speedups[task, n])
+            best = max(classic, key=lambda n: speedups[task, n])
+            tasks[task] = {
+                "adaptive": speedups[task, adaptive],
+                "classic": speedups[task, base],
+                "best_static": speedups[task, own],
+                "best_static_system": own,
+                "best_any": speedups[task, best],
+                "best_any_system": best,
+            }
+        if tasks:
+            count = len(tasks)
+            comparison[adaptive] = {
+                "tasks": tasks,
+                "mean_vs_classic": sum(t["adaptive"] / t["classic"] for t in tasks.values()) / count,
+                "mean_vs_best_static": sum(t["adaptive"] / t["best_static"] for t in tasks.values()) / count,
+                "mean_vs_best_any": sum(t["adaptive"] / t["best_any"] for t in tasks.values()) / count,
+            }
+    return comparison
+
+
+def static_lines(comparison: dict[str, dict]) -> list[str]:
+    """Readable lines of `static_comparison`, one per adaptive system and task."""
+    lines = []
+    for adaptive, summary in comparison.items():
+        lines.append(f"{adaptive} (x plain) against the classic settings and the best static ones:")
+        for task, t in summary["tasks"].items():
+            lines.append(
+                f"  {task:<11} {t['adaptive']:.2f}x; classic {t['classic']:.2f}x "
+                f"({t['adaptive'] / t['classic']:.2f}); best static {t['best_static_system']} "
+                f"{t['best_static']:.2f}x ({t['adaptive'] / t['best_static']:.0%}); best of all "
+                f"{t['best_any_system']} {t['best_any']:.2f}x ({t['adaptive'] / t['best_any']:.0%})"
+            )
+        lines.append(
+            f"  mean over tasks: {summary['mean_vs_classic']:.2f}x classic, "
+            f"{summary['mean_vs_best_static']:.0%} of its best static, "
+            f"{summary['mean_vs_best_any']:.0%} of the best of all"
+        )
+    return lines
+
+
 def write_outputs(out_dir: Path, results: dict, rows: Sequence[dict], header: str) -> list[Path]:
     """results.json (everything) and results.md (the tables) in out_dir."""
     try:
@@ -140,6 +201,8 @@ def write_outputs(out_dir: Path, results: dict, rows: Sequence[dict], header: st
             text += "\n".join(f"- {line}" for line in sweep_lines(results["draft_max_sweep"])) + "\n"
         for name, summary in results.get("policies", {}).items():
             text += "\n```\n" + "\n".join(policy_lines(name, summary)) + "\n```\n"
+        if results.get("static_comparison"):
+            text += "\n```\n" + "\n".join(static_lines(results["static_comparison"])) + "\n```\n"
         md_path.write_text(text, encoding="utf-8")
     except OSError as exc:
         raise SpecdecodeError(f"cannot write the results into {out_dir}: {exc}") from None

@@ -27,6 +27,7 @@ class Measurement:
     seconds: float
     tokens: list[int]
     stats: GenerationStats | None
+    sampled: bool = False  # the task samples (seeded) rather than decoding greedily
 
     @property
     def tokens_per_second(self) -> float:
@@ -57,10 +58,10 @@ def run_suite(
     measurements = []
     for task in tasks:
         for index, prompt in enumerate(task.prompts):
-            ids = encode(prompt)
+            ids, sampling = encode(prompt), task.sampling(index)
             for measured, order in rounds(systems, runs, warmup):
                 for system in order:
-                    run = system.run(ids, n_predict)
+                    run = system.run(ids, n_predict, sampling)
                     _check_length(run, n_predict, system.name, task.name, index)
                     advance(f"{task.name} {index + 1}/{len(task.prompts)} {system.name}")
                     if measured:
@@ -73,6 +74,7 @@ def run_suite(
                                 run.seconds,
                                 run.tokens,
                                 run.stats,
+                                not sampling.greedy,
                             )
                         )
     return measurements

@@ -8,6 +8,8 @@ End-of-generation tokens do not stop any system: every run does the same amount 
 A system of ours named with the suffix "@adaptive" (draft@adaptive, ngram-simple,draft@adaptive)
 runs the adaptive policy instead of the classic chain; its `PolicyModels` are timed once when
 the system is built and then learn across all of its runs, as a server's would across requests.
+The suffix "@P/N" runs the classic chain with --draft-p-min P and --draft-max N instead of the
+run's (draft@0.3/6): the static settings an adaptive system is compared with.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ class System(Protocol):
     name: str
     family: str  # "ours" or "hf"
 
-    def run(self, prompt: list[int], n_predict: int) -> Run: ...
+    def run(self, prompt: list[int], n_predict: int, sampling: SamplingParams = GREEDY) -> Run: ...
 
 
 class OursSystem:
@@ -74,14 +76,14 @@ class OursSystem:
         self.make_pipeline = make_pipeline
         self.policy_models = policy_models  # the adaptive policy's, shared by every run
 
-    def run(self, prompt: list[int], n_predict: int) -> Run:
+    def run(self, prompt: list[int], n_predict: int, sampling: SamplingParams = GREEDY) -> Run:
         config = GenerationConfig(n_predict=n_predict, ignore_eos=True)
         pipeline = self.make_pipeline()
         for backend in (pipeline.target, pipeline.draft):
             if backend is not None:
                 backend.truncate(0)
         began = time.perf_counter()
-        result = pipeline.generate(prompt, GREEDY, config)
+        result = pipeline.generate(prompt, sampling, config)
         return Run(result.tokens, time.perf_counter() - began, result.stats)
 
 
@@ -99,12 +101,19 @@ class HFSystem:
         self.options = options
         self.pad_id = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
 
-    def run(self, prompt: list[int], n_predict: int) -> Run:
+    def run(self, prompt: list[int], n_predict: int, sampling: SamplingParams = GREEDY) -> Run:
+        """Greedy, or sampled with our sampler's settings (its seed seeds torch's generator)."""
+        sampled = {}
+        if not sampling.greedy:
+            sampled = {"temperature": sampling.temperature, "top_k": sampling.top_k or None}
+            sampled |= {"top_p": sampling.top_p, "min_p": sampling.min_p or None}
+            torch.manual_seed(sampling.seed or 0)
         config = HFGenerationConfig(
             max_new_tokens=n_predict,
-            do_sample=False,
-            eos_token_id=None,
+            do_sample=not sampling.greedy,
+            eos_token_id=[],  # no end of generation (None would take the model's own)
             pad_token_id=self.pad_id,
+            **sampled,
             **self.options,
         )
         began = time.perf_counter()
@@ -143,12 +152,14 @@ def build_systems(
     known = system_names(draft is not None, include_hf=True, has_eagle3=eagle3 is not None)
     ours = [name for name in known if not name.startswith("hf-") and name != "plain"]
     known += [name + ADAPTIVE for name in ours if "tree" not in name]
-    unknown = [name for name in names if name not in known]
+    unknown = [name for name in names if static_base(name) not in known]
     if unknown:
         raise SpecdecodeError(
-            f"unknown or unavailable system {unknown[0]!r} (with these models: {', '.join(known)})"
+            f"unknown or unavailable system {unknown[0]!r} (with these models: {', '.join(known)}; "
+            "a classic one may end in @P/N for --draft-p-min P and --draft-max N)"
         )
     ordered = ["plain", *(name for name in known if name in names and name != "plain")]
+    ordered += [name for name in names if name not in known and name not in ordered]  # @P/N, as asked
     hf_logging.set_verbosity_error()  # its deprecation notices would drown the progress bar
     return [_system(name, target, draft, draft_config, ngram, eagle3) for name in ordered]
 
@@ -168,7 +179,10 @@ def _system(
     if name == "hf-assisted":
         return HFSystem(name, target, assistant=draft)
     adaptive = name.endswith(ADAPTIVE)
-    parts = [] if name == "plain" else name.removesuffix(ADAPTIVE).split(",")
+    base = static_base(name)
+    if base != name:
+        draft_config = replace(draft_config, **static_setting(name))
+    parts = [] if name == "plain" else base.removesuffix(ADAPTIVE).split(",")
     spec_types = sorted((TREES.get(part, part) for part in parts), key=PRIORITY.index)
     config = replace(
         draft_config,
@@ -190,6 +204,43 @@ def _system(
         ),
         models,
     )
+
+
+def static_base(name: str) -> str:
+    """The system a static-setting name runs (draft@0.3/6 -> draft); other names unchanged."""
+    base, at, setting = name.rpartition("@")
+    return base if at and "/" in setting else name
+
+
+def static_setting(name: str) -> dict:
+    """The DraftModelConfig fields a name's "@P/N" sets (p_min P, n_max N)."""
+    p_min, _, n_max = name.rpartition("@")[2].partition("/")
+    try:
+        setting = {"p_min": float(p_min), "n_max": int(n_max)}
+    except ValueError:
+        raise SpecdecodeError(f"system {name!r}: the setting after @ is P/N, e.g. draft@0.3/6") from None
+    if not 0.0 <= setting["p_min"] <= 1.0 or setting["n_max"] < 1:
+        raise SpecdecodeError(f"system {name!r}: P must be in [0, 1] and N >= 1")
+    return setting
+
+
+def static_grid(
+    names: Sequence[str], p_mins: Sequence[float], draft_maxes: Sequence[int], given: DraftModelConfig
+) -> list[str]:
+    """Every classic system of `names` that drafts with a model, at each p_min x draft-max but
+    the run's own (`given`: that one is the system itself)."""
+    grid = []
+    for name in names:
+        parts = name.split(",")
+        if name.endswith(ADAPTIVE) or static_base(name) != name or not {"draft", "eagle3"} & set(parts):
+            continue
+        grid += [
+            f"{name}@{p_min:g}/{n_max}"
+            for p_min in p_mins
+            for n_max in draft_maxes
+            if (p_min, n_max) != (given.p_min, given.n_max)
+        ]
+    return grid
 
 
 def draft_max_systems(

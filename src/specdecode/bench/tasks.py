@@ -6,7 +6,10 @@ Four kinds of work, because the strategies shine on different ones:
 * editing: a function and an instruction ("add type hints", "rename x to y"); the rewritten
   function repeats most of the input, which is where model-free drafting wins;
 * extraction: a function with a long docstring, then a request to quote that docstring;
-* free: the first lines of a module, continued freely (little to copy from the prompt).
+* free: the first lines of a module, continued freely (little to copy from the prompt);
+* free-t1: the same prompts sampled at temperature 1.0 (llama.cpp's other sampling defaults,
+  a fixed seed per prompt, `match` verification, so every system's output is still plain
+  generation's), where fewer drafted tokens are kept than under greedy decoding.
 
 Every prompt comes from the held-out split of the standard-library corpus (files the bundled
 models never trained on), by a fixed rule: files in path order, functions in source order, the
@@ -22,9 +25,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specdecode.errors import SpecdecodeError, read_text_file
+from specdecode.sampling import SamplingParams
 from specdecode.train.corpus import corpus_files, split_files, stdlib_root
 
-TASK_NAMES = ("completion", "editing", "extraction", "free")
+TASK_NAMES = ("completion", "editing", "extraction", "free", "free-t1")
+TEMPERATURES = {"free-t1": 1.0}  # tasks sampled rather than greedy
 MAX_FUNCTION_CHARS = 900  # keeps prompt + answer inside the 512 positions the bundled pair trained on
 MIN_FUNCTION_LINES = 6
 FREE_PROMPT_LINES = 5
@@ -39,6 +44,12 @@ EDIT_INSTRUCTIONS = (
 class Task:
     name: str
     prompts: tuple[str, ...]
+    temperature: float = 0.0  # 0: greedy
+
+    def sampling(self, prompt_index: int) -> SamplingParams:
+        """Greedy, or sampled with a seed fixed per prompt: every run of every system on one
+        prompt generates the same tokens, which is what the exactness column checks."""
+        return SamplingParams(temperature=self.temperature, seed=prompt_index)
 
 
 @dataclass(frozen=True)
@@ -155,12 +166,12 @@ def build_tasks(names: Sequence[str], per_task: int, files: Sequence[Path] | Non
     for name in TASK_NAMES:  # all, in one order: a task's prompts do not depend on the others asked
         prompts = (
             free_prompts(files, per_task)
-            if name == "free"
+            if name.startswith("free")
             else function_prompts(files, PROMPT_MAKERS[name], per_task, used)
         )
         if not prompts and name in names:
             raise SpecdecodeError(f"the held-out files give no prompt for the {name} task")
-        built[name] = Task(name, tuple(prompts))
+        built[name] = Task(name, tuple(prompts), TEMPERATURES.get(name, 0.0))
     return [built[name] for name in names]
 
 
