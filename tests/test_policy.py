@@ -40,6 +40,11 @@ def cpu_costs(one_row: float = 0.012, draft_step: float = 0.001) -> CostModel:
     return costs
 
 
+def plain_rate(models: PolicyModels) -> float:
+    """Plain generation's tokens per second under the models' costs."""
+    return 1 / models.costs.pass_time(1)
+
+
 def teach(models: PolicyModels, strategy: str, n_accepted: int, length: int, times: int) -> None:
     for _ in range(times):
         models.acceptance.observe(strategy, [None] * length, n_accepted)
@@ -236,7 +241,7 @@ def test_expected_tokens():
 def test_a_draft_never_accepted_is_not_verified():
     models = PolicyModels(costs=cpu_costs())
     teach(models, "ngram-simple", 0, 8, 50)
-    length, gain = AdaptivePolicy(models).best_length("ngram-simple", 8, 0.0)
+    length, gain = AdaptivePolicy(models).best_length("ngram-simple", 8, 0.0, plain_rate(models))
     assert length == 0
     assert gain == pytest.approx(0.0)  # a plain step, at plain generation's rate
 
@@ -244,14 +249,14 @@ def test_a_draft_never_accepted_is_not_verified():
 def test_a_draft_always_accepted_is_verified_whole():
     models = PolicyModels(costs=cpu_costs())
     teach(models, "ngram-simple", 16, 16, 50)
-    assert AdaptivePolicy(models).best_length("ngram-simple", 16, 0.0)[0] == 16
+    assert AdaptivePolicy(models).best_length("ngram-simple", 16, 0.0, plain_rate(models))[0] == 16
 
 
 def test_the_length_stops_where_acceptance_falls():
     models = PolicyModels(costs=cpu_costs())
     teach(models, "ngram-simple", 3, 8, 50)  # always 3 of 8
     # the 4th token, rarely kept, may still be worth its nearly free verify row; never the 8
-    assert AdaptivePolicy(models).best_length("ngram-simple", 8, 0.0)[0] in (3, 4)
+    assert AdaptivePolicy(models).best_length("ngram-simple", 8, 0.0, plain_rate(models))[0] in (3, 4)
 
 
 def test_the_stopper_drafts_confident_tokens_and_stops_at_doubtful_ones():
@@ -341,6 +346,21 @@ def test_chain_takes_a_plain_step_and_skips_a_model_that_does_not_pay():
     assert models.choices[("none", 0)] == 1
 
 
+def test_a_rate_no_candidate_reaches_does_not_make_the_cheapest_win():
+    """After long copies (300 tokens/s), a stretch only the draft model predicts: its 9 tokens in
+    48 ms beat a plain step's 1 in 12 ms, even though neither reaches the copies' rate."""
+    models = PolicyModels(costs=cpu_costs())
+    models.records["draft"] = Record(tokens=9.0, rows=17.0, n=50)
+    models.step_tokens, models.step_seconds = 30.0, 0.1
+    policy = AdaptivePolicy(models)
+    rate = policy.step_rate({}, ["draft"], 0.0)
+    assert rate == pytest.approx(9.0 / (17 * 0.001 + models.costs.pass_time(17)))
+    assert policy.model_gain("draft", 0.0, rate) > policy.plain_gain(0.0, rate)
+    model = Model("draft", list(range(5, 21)), 0.99)
+    assert len(Chain([model], policy).draft([1, 2], 3, 16).tokens) > 1
+    assert policy.step_rate({}, [], 0.0) == pytest.approx(plain_rate(models))  # plain alone: its rate
+
+
 def test_chain_probes_an_unused_model_again():
     models = PolicyModels(costs=cpu_costs())
     models.records["draft"] = Record(tokens=1.0, rows=1.0, n=50)
@@ -353,6 +373,32 @@ def test_chain_probes_an_unused_model_again():
     assert draft.tokens == [5, 6]
     assert models.acceptance.cells[("draft", 1, 9)] == [1.0, 0.0]  # learnt with its confidence
     assert models.records["draft"].tokens > 1.0  # the probe's 3 tokens raised its record
+
+
+def test_probes_that_keep_losing_come_ever_more_rarely():
+    models = PolicyModels(costs=cpu_costs())
+    models.records["draft"] = Record(tokens=1.0, rows=1.0, n=50)
+    model = Model("draft", [5, 6], 0.99)
+    chain = Chain([model], AdaptivePolicy(models))
+    asked = []
+    for step in range(1, 61):
+        before = model.asked
+        draft = chain.draft([1, 2], 3, 16)
+        chain.accept(draft, 0, 0.012)  # the probe's drafts are never kept
+        if model.asked > before:
+            asked.append(step)
+    assert asked == [9, 26, 59]  # after 8 idle steps, then 16, then 32
+
+
+def test_each_sampling_regime_learns_its_own_acceptance():
+    models = PolicyModels(costs=cpu_costs())
+    sampled = AdaptivePolicy(models, counterfactual=True, regime="match, temperature 1")
+    for _ in range(30):
+        sampled.watch({"ngram-mod": [5, 6]}, [7])  # never kept at temperature 1
+    greedy = AdaptivePolicy(models, counterfactual=True)
+    assert sampled.best_length("ngram-mod", 2, 0.0, plain_rate(models))[0] == 0
+    assert models.acceptance.chain(sampled.source("ngram-mod"), [None])[0] < 0.2
+    assert models.acceptance.chain(greedy.source("ngram-mod"), [None]) == [0.5]  # greedy: untouched
 
 
 def test_the_keep_drafting_hook_is_cleared_after_the_draft():

@@ -171,7 +171,9 @@ class Pipeline:
         policy = None
         if self.policy_models is not None:
             policy = AdaptivePolicy(
-                self.policy_models, counterfactual=config.verify == "match" or sampling.greedy
+                self.policy_models,
+                counterfactual=config.verify == "match" or sampling.greedy,
+                regime=None if sampling.greedy else f"{config.verify}, temperature {sampling.temperature:g}",
             )
         chain = Chain(build_strategies(self.spec_types, setup), policy, matcher)
         return Generation(self.target, chain, sampler, config, self.encode(prompt), constraint=matcher)

@@ -114,7 +114,7 @@ class Chain:
         drafting model with the best measured rate (run only if that rate is the best)."""
         start = time.perf_counter()
         step = self._step = _Step()
-        candidates: list[tuple[float, int, Draft]] = []  # (gain, strategy, draft cut to its length)
+        free: dict[int, Draft] = {}  # model-free strategy -> its draft
         models: list[int] = []
         for index, strategy in enumerate(self.strategies):
             if index in self._failed:
@@ -124,23 +124,24 @@ class Chain:
                 continue
             draft = self._ask(index, history, last, n_max).truncated(n_max).simplified()
             if draft.tokens and draft.is_chain:
-                k, gain = policy.best_length(strategy.name, len(draft.tokens), time.perf_counter() - start)
+                free[index] = draft
                 step.drafts[strategy.name] = draft.tokens
-                if k > 0:
-                    candidates.append((gain, index, draft.truncated(k)))
         t_sunk = time.perf_counter() - start
-        best_gain, best_index, best_draft = max(candidates, default=(policy.plain_gain(t_sunk), -1, Draft()))
-        if candidates and policy.plain_gain(t_sunk) >= best_gain:
-            best_index, best_draft = -1, Draft()
+        names = {index: self.strategies[index].name for index in [*free, *models]}
+        rate = policy.step_rate(
+            {names[i]: len(d.tokens) for i, d in free.items()}, [names[i] for i in models], t_sunk
+        )
+        best_gain, best_index, best_draft = policy.plain_gain(t_sunk, rate), -1, Draft()
+        for index, draft in free.items():
+            k, gain = policy.best_length(names[index], len(draft.tokens), t_sunk, rate)
+            if k > 0 and gain > best_gain:
+                best_gain, best_index, best_draft = gain, index, draft.truncated(k)
         if models:
-            names = [self.strategies[index].name for index in models]
-            index = max(models, key=lambda i: policy.model_gain(self.strategies[i].name, t_sunk))
-            if policy.model_gain(self.strategies[index].name, t_sunk) > max(
-                best_gain, policy.plain_gain(t_sunk)
-            ):
+            index = max(models, key=lambda i: policy.model_gain(names[i], t_sunk, rate))
+            if policy.model_gain(names[index], t_sunk, rate) > best_gain:
                 strategy = self.strategies[index]
                 step.model = strategy.name
-                step.stopper = policy.stopper(strategy.name)
+                step.stopper = policy.stopper(strategy.name, rate)
                 model_start = time.perf_counter()
                 strategy.keep_drafting = step.stopper
                 try:
@@ -150,7 +151,7 @@ class Chain:
                 step.t_model = time.perf_counter() - model_start
                 if draft.tokens and draft.is_chain:
                     best_index, best_draft = index, draft.truncated(n_max)
-            policy.skipped([name for name in names if name != step.model])
+            policy.skipped([names[i] for i in models if names[i] != step.model])
         step.t_draft = time.perf_counter() - start
         if best_index < 0:
             return Draft()

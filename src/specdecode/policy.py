@@ -61,6 +61,7 @@ PRIOR_WEIGHT = 4.0  # pseudo-observations behind the prior of an acceptance esti
 PRIOR_FREE = 0.5  # depth-1 prior of a model-free strategy, which reports no confidence
 DECAY = 0.98  # a cell's counts shrink by this at each update: recent text weighs more
 PROBE_EVERY = 8  # a drafting model left unused this many steps is run again
+MAX_PROBE_EVERY = 64  # ... a wait that doubles with each probe that does not win it back
 
 
 def check_policy(name: str) -> str:
@@ -289,16 +290,18 @@ class Stopper:
     the tokens it adds in expectation less what its draft step and verify row cost at the
     policy's rate, is positive. Remembers the confidences of the tokens it let through."""
 
-    def __init__(self, models: PolicyModels, strategy: str, rate: float) -> None:
+    def __init__(self, models: PolicyModels, strategy: str, rate: float, source: str | None = None) -> None:
+        """source: the acceptance model's name for the strategy's drafts (`AdaptivePolicy.source`)."""
         self.models = models
         self.strategy = strategy
+        self.source = source or strategy
         self.rate = rate  # tokens per second: what a second of this step is worth
         self.confidences: list[float] = []
         self._reach = 1.0  # P(every token so far kept)
 
     def __call__(self, depth: int, confidence: float) -> bool:
         """May the token at `depth` (1-based), of this top-1 confidence, be drafted?"""
-        a = self.models.acceptance.estimate(self.strategy, depth, confidence, confidence)
+        a = self.models.acceptance.estimate(self.source, depth, confidence, confidence)
         costs = self.models.costs
         seconds = costs.step_time(self.strategy) + costs.pass_time(depth + 1) - costs.pass_time(depth)
         if self._reach * a <= self.rate * seconds:
@@ -311,49 +314,88 @@ class Stopper:
 class AdaptivePolicy:
     """The decisions of one generation, over shared `PolicyModels`.
 
-    Each candidate is scored by its gain: expected tokens less expected seconds times `rate`,
-    the tokens per second the policy has been achieving (plain generation's before any step).
+    Each candidate is scored by its gain: expected tokens less expected seconds times the
+    step's rate (`step_rate`: the tokens per second the policy has been achieving, plain
+    generation's before any step, capped at the best this step's candidates offer).
     Maximising that is maximising the long-run rate (a renewal-reward argument); comparing
     ratios step by step would stop good drafts early and let poor ones run on."""
 
-    def __init__(self, models: PolicyModels, counterfactual: bool = False) -> None:
+    def __init__(self, models: PolicyModels, counterfactual: bool = False, regime: str | None = None) -> None:
         """counterfactual: whether a draft token that was not verified would have been kept
         exactly when it equals the token emitted at its place (`match` verification, or greedy
-        sampling), so that the drafts not chosen are learnt from too."""
+        sampling), so that the drafts not chosen are learnt from too. regime: how this
+        generation samples and verifies, when not greedily (e.g. "match, temperature 1"): a
+        draft is kept far less often at temperature 1 than under greedy decoding, so each
+        regime has acceptance estimates and records of its own (costs are shared)."""
         self.models = models
         self.counterfactual = counterfactual
+        self.regime = regime
         self._idle: Counter[str] = Counter()  # drafting model -> steps since it was last run
+        self._probe_every: dict[str, int] = {}  # drafting model -> idle steps before the next probe
         self._watched: list[tuple[str, list[int], int]] = []  # (strategy, draft, tokens kept so far)
 
-    @property
-    def rate(self) -> float:
-        return self.models.rate if self.models.rate is not None else 1.0 / self.models.costs.pass_time(1)
+    def step_rate(self, lengths: dict[str, int], models: Sequence[str], t_sunk: float) -> float:
+        """The tokens per second a second of this step is worth: the rate of the recent steps,
+        but no more than the best candidate of this step achieves (a plain step, each
+        model-free draft at its best length, each drafting model's record). Valued at a rate
+        no candidate reaches here (the previous text's long copies, say), every candidate
+        would look poor and the cheapest would win; but the text is what it is for a while
+        yet, and its next tokens must be made at the rates it offers."""
+        costs = self.models.costs
+        recent = self.models.rate if self.models.rate is not None else 1.0 / costs.pass_time(1)
+        best = 1.0 / (t_sunk + costs.pass_time(1))
+        for strategy, n_tokens in lengths.items():
+            values = expected_tokens(self.models.acceptance.chain(self.source(strategy), [None] * n_tokens))
+            best = max(best, *(e / (t_sunk + costs.pass_time(k + 1)) for k, e in enumerate(values)))
+        for strategy in models:
+            record = self.models.records.get(self.source(strategy))
+            if record is not None:
+                best = max(best, record.tokens / self._model_seconds(strategy, record, t_sunk))
+        return min(recent, best)
 
-    def plain_gain(self, t_sunk: float) -> float:
-        return 1.0 - self.rate * (t_sunk + self.models.costs.pass_time(1))
+    def plain_gain(self, t_sunk: float, rate: float) -> float:
+        return 1.0 - rate * (t_sunk + self.models.costs.pass_time(1))
 
-    def best_length(self, strategy: str, n_tokens: int, t_sunk: float) -> tuple[int, float]:
-        """The prefix length of a model-free draft of n_tokens with the best expected gain, and
-        that gain (0 tokens: a plain step)."""
-        values = expected_tokens(self.models.acceptance.chain(strategy, [None] * n_tokens))
-        costs, rate = self.models.costs, self.rate
+    def best_length(self, strategy: str, n_tokens: int, t_sunk: float, rate: float) -> tuple[int, float]:
+        """The prefix length of a model-free draft of n_tokens with the best expected gain at
+        `rate`, and that gain (0 tokens: a plain step)."""
+        values = expected_tokens(self.models.acceptance.chain(self.source(strategy), [None] * n_tokens))
+        costs = self.models.costs
         gains = [e - rate * (t_sunk + costs.pass_time(k + 1)) for k, e in enumerate(values)]
         best = max(range(len(gains)), key=lambda k: (gains[k], -k))
         return best, gains[best]
 
-    def model_gain(self, strategy: str, t_sunk: float) -> float:
+    def model_gain(self, strategy: str, t_sunk: float, rate: float) -> float:
         """A drafting model's expected gain: the tokens its steps emitted, less what its steps'
         draft length costs now; infinite when it has never run or is due for another try."""
-        record = self.models.records.get(strategy)
-        if record is None or self._idle[strategy] >= PROBE_EVERY:
+        record = self.models.records.get(self.source(strategy))
+        if record is None or self._probing(strategy):
             return float("inf")
-        costs = self.models.costs
-        seconds = t_sunk + costs.draft_time(strategy, record.rows) + costs.pass_time(record.rows)
-        return record.tokens - self.rate * seconds
+        return record.tokens - rate * self._model_seconds(strategy, record, t_sunk)
 
-    def stopper(self, strategy: str) -> Stopper:
+    def _model_seconds(self, strategy: str, record: Record, t_sunk: float) -> float:
+        costs = self.models.costs
+        return t_sunk + costs.draft_time(strategy, record.rows) + costs.pass_time(record.rows)
+
+    def source(self, strategy: str) -> str:
+        """The name the acceptance model and the records know `strategy`'s drafts by here."""
+        return strategy if self.regime is None else f"{strategy} ({self.regime})"
+
+    def _probing(self, strategy: str) -> bool:
+        return self._idle[strategy] >= self._probe_every.get(strategy, PROBE_EVERY)
+
+    def stopper(self, strategy: str, rate: float) -> Stopper:
+        """The stopping rule of `strategy`'s draft, which runs now. A run that is only a
+        probe doubles the wait before the next one (up to MAX_PROBE_EVERY steps): where the
+        model keeps losing, probing it every few steps would cost more than it finds."""
+        if self._probing(strategy) and self.source(strategy) in self.models.records:
+            self._probe_every[strategy] = min(
+                MAX_PROBE_EVERY, 2 * self._probe_every.get(strategy, PROBE_EVERY)
+            )
+        else:
+            self._probe_every[strategy] = PROBE_EVERY
         self._idle[strategy] = 0
-        return Stopper(self.models, strategy, self.rate)
+        return Stopper(self.models, strategy, rate, self.source(strategy))
 
     def skipped(self, strategies: list[str]) -> None:
         for strategy in strategies:
@@ -381,11 +423,11 @@ class AdaptivePolicy:
         models.costs.observe_pass(len(confidences) + 1, t_pass)
         models.choices[(strategy or "none", len(confidences))] += 1
         if strategy is not None and (strategy == model or not self.counterfactual):
-            models.acceptance.observe(strategy, confidences, n_accepted)  # else: `watch` scores it
+            models.acceptance.observe(self.source(strategy), confidences, n_accepted)  # else: `watch`
         if model is not None:
             models.costs.observe_draft(model, model_steps, t_model)
             tokens, rows = 1.0 + n_accepted, len(confidences) + 1  # whoever drafted: what running it gave
-            models.records.setdefault(model, Record()).update(tokens, rows)
+            models.records.setdefault(self.source(model), Record()).update(tokens, rows)
 
     def watch(self, drafts: dict[str, list[int]], emitted: Sequence[int]) -> None:
         """Score model-free drafts against the tokens emitted (counterfactual verification
@@ -400,9 +442,9 @@ class AdaptivePolicy:
             matched = common_prefix(tokens[kept:], emitted)
             kept += matched
             if kept == len(tokens):
-                self.models.acceptance.observe(strategy, [None] * kept, kept)
+                self.models.acceptance.observe(self.source(strategy), [None] * kept, kept)
             elif matched < len(emitted):  # a token differs: kept up to there
-                self.models.acceptance.observe(strategy, [None] * (kept + 1), kept)
+                self.models.acceptance.observe(self.source(strategy), [None] * (kept + 1), kept)
             else:
                 waiting.append((strategy, tokens, kept))
         self._watched = waiting
