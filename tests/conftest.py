@@ -22,6 +22,7 @@ from scipy import stats
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
 from specdecode import HFBackend, Sampler, SamplingParams
+from specdecode.policy import CostModel, PolicyModels
 from specdecode.testing import make_llama, make_tokenizer, perturbed_copy, save_model, truncated_copy
 
 VOCAB_SIZE = 320
@@ -367,3 +368,32 @@ def gguf_files(tmp_path_factory) -> dict[str, Path]:
         paths[f"{role}.gguf"] = export_gguf(paths[role], root / f"{role}.gguf", "f32")
         paths[f"{role}-q8_0.gguf"] = export_gguf(paths[role], root / f"{role}-q8_0.gguf", "q8_0")
     return paths
+
+
+class CpuCosts(CostModel):
+    """A large target's costs on a CPU (a pass of 17 rows 2.6x one row, a draft step a tenth of
+    a one-row pass), held fixed: on the tiny models here a draft step costs what a target step
+    does, and measured costs would have the policy draft next to nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calibrated.update({1: 0.010, 17: 0.026})
+
+    def observe_pass(self, rows: int, seconds: float) -> None:
+        """Held fixed."""
+
+    def observe_draft(self, strategy: str, steps: int, seconds: float) -> None:
+        """Held fixed."""
+
+
+class CpuPolicyModels(PolicyModels):
+    """Policy models over `CpuCosts`, whose achieved rate is held at plain generation's under
+    those costs: the tiny models' real steps would value a second at thousands of tokens."""
+
+    @property
+    def rate(self) -> float | None:
+        return None
+
+
+def cpu_policy() -> PolicyModels:
+    return CpuPolicyModels(costs=CpuCosts())

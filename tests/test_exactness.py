@@ -24,6 +24,7 @@ from conftest import (
     VOCAB_SIZE,
     TargetSpec,
     cached_tokenizer,
+    cpu_policy,
     eagle3_head,
     eagle3_target,
     in_dtype,
@@ -34,7 +35,6 @@ from hypothesis import strategies as st
 
 from specdecode import DraftModelConfig, GenerationConfig, HFBackend, Pipeline, SamplingParams
 from specdecode.backends.native import NativeBackend
-from specdecode.policy import CostModel, PolicyModels
 from specdecode.sampling import Sampler, greedy_token
 from specdecode.strategies import NgramMapConfig, NgramModConfig, NgramSettings
 from specdecode.testing import make_llama, perturbed_copy, truncated_copy
@@ -67,6 +67,14 @@ draft_configs = st.builds(
 )
 
 
+draft_trees = st.builds(  # p_split trees, which the adaptive policy sizes node by node
+    DraftModelConfig,
+    n_max=st.integers(1, 16),
+    p_split=st.sampled_from([0.02, 0.1]),
+    n_parallel=st.integers(2, 4),
+)
+
+
 def check_same(spec_result, plain_result) -> None:
     assert spec_result.tokens == plain_result.tokens
     assert spec_result.text == plain_result.text
@@ -76,35 +84,6 @@ def check_same(spec_result, plain_result) -> None:
 
 def plain(zoo, spec: TargetSpec, prompt, sampling: SamplingParams, config: GenerationConfig, **backend_kw):
     return Pipeline(zoo.backend(zoo.target(spec), **backend_kw)).generate(prompt, sampling, config)
-
-
-class CpuCosts(CostModel):
-    """A large target's costs on a CPU (a pass of 17 rows 2.6x one row, a draft step a tenth of
-    a one-row pass), held fixed: on the tiny models here a draft step costs what a target step
-    does, and measured costs would have the policy draft next to nothing."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calibrated.update({1: 0.010, 17: 0.026})
-
-    def observe_pass(self, rows: int, seconds: float) -> None:
-        """Held fixed."""
-
-    def observe_draft(self, strategy: str, steps: int, seconds: float) -> None:
-        """Held fixed."""
-
-
-class CpuPolicyModels(PolicyModels):
-    """Policy models over `CpuCosts`, whose achieved rate is held at plain generation's under
-    those costs: the tiny models' real steps would value a second at thousands of tokens."""
-
-    @property
-    def rate(self) -> float | None:
-        return None
-
-
-def cpu_policy() -> PolicyModels:
-    return CpuPolicyModels(costs=CpuCosts())
 
 
 # --------------------------------------------------------------------------- properties
@@ -429,7 +408,7 @@ SHARED_POLICY = cpu_policy()
     kind=st.sampled_from(WEIGHTED_KINDS),
     types=st.sampled_from(ADAPTIVE_CHAINS),
     prompt=prompts,
-    draft_config=draft_configs,
+    draft_config=st.one_of(draft_configs, draft_configs, draft_trees),
     n_predict=n_predicts,
     ignore_eos=st.booleans(),
     verify=st.sampled_from(["match", "rejection"]),
@@ -471,8 +450,9 @@ def test_adaptive_policy_equals_plain(
     )
     result = pipe.generate(prompt, sampling, config)
     check_same(result, expected)
+    shape = " tree" if draft_config.n_parallel > 1 and "draft" in types else ""
     exactness_log.record(
-        f"adaptive/{verify}", f"{kind} {','.join(types)}", result.stats, result.stats.stop_reason
+        f"adaptive/{verify}", f"{kind} {','.join(types)}{shape}", result.stats, result.stats.stop_reason
     )
 
 

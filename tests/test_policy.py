@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import pytest
 from conftest import TargetSpec
 
-from specdecode import DraftModelConfig, GenerationConfig, Pipeline, SamplingParams
+from specdecode import GenerationConfig, Pipeline, SamplingParams
 from specdecode.chain import Chain
 from specdecode.cli import build_parser
 from specdecode.errors import SpecdecodeError
@@ -424,13 +424,23 @@ def test_adaptive_generation_learns_and_reports(zoo):
     assert models.costs.measured and models.acceptance.cells
 
 
-def test_adaptive_refuses_trees(zoo):
-    target, draft = zoo.pair(TargetSpec(), 0.0)
-    with pytest.raises(SpecdecodeError, match="chains"):
-        Pipeline(target, draft, draft_config=DraftModelConfig(n_parallel=2), spec_policy="adaptive")
-    pipe = Pipeline(target, draft, spec_policy="adaptive", policy_models=PolicyModels())
-    with pytest.raises(SpecdecodeError, match="chains"):
-        pipe.stream([3, 4], GREEDY, draft_config=DraftModelConfig(n_parallel=2))
+def test_tree_nodes_are_worth_their_row_while_likely_enough():
+    models = PolicyModels(costs=cpu_costs())
+    rule = Stopper(models, "draft", plain_rate(models))
+    first = rule.node(1.0, 1, 0.9, 0)
+    assert first == pytest.approx(0.9)  # before any outcome: its confidence
+    assert rule.node(first, 2, 0.9, 1) == pytest.approx(0.81)
+    assert rule.node(1.0, 1, 0.01, 0) is None
+    assert rule.node(0.02, 2, 0.9, 5) is None  # a likely child of an unlikely parent
+    assert rule.confidences == []  # tree nodes are not a chain's tokens
+
+
+def test_a_verified_tree_counts_the_children_of_kept_nodes():
+    acceptance = AcceptanceModel()
+    # the root's children 0 (0.9) and 1 (0.05); node 0's children 2 (0.8) and 3 (0.15); node 1's 4
+    acceptance.observe_tree("draft", [0.9, 0.05, 0.8, 0.15, 0.9], [-1, -1, 0, 0, 1], [0, 3])
+    cells = {(depth, bucket): counts for (_, depth, bucket), counts in acceptance.cells.items()}
+    assert cells == {(1, 9): [1, 0], (1, 0): [0, 1], (2, 8): [0, 1], (2, 1): [1, 0]}  # node 4 unseen
 
 
 def test_unknown_policy_is_refused(zoo):

@@ -22,7 +22,15 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
-from conftest import VOCAB_SIZE, TargetSpec, cached_tokenizer, chi_square_pvalue, eagle3_head, eagle3_target
+from conftest import (
+    VOCAB_SIZE,
+    TargetSpec,
+    cached_tokenizer,
+    chi_square_pvalue,
+    cpu_policy,
+    eagle3_head,
+    eagle3_target,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import LlamaForCausalLM
@@ -439,6 +447,12 @@ DRAFT_TREES = st.builds(
 )
 
 
+def policy_of(name: str) -> dict:
+    """Pipeline arguments for a policy: the adaptive one over fixed CPU-shaped costs (see
+    `conftest.cpu_policy`), which it sizes each tree by."""
+    return {"spec_policy": name, "policy_models": cpu_policy() if name == "adaptive" else None}
+
+
 @pytest.mark.parametrize("kind", BACKENDS)
 @settings(max_examples=10, **SETTINGS)
 @given(
@@ -446,22 +460,25 @@ DRAFT_TREES = st.builds(
     temperature=st.sampled_from([0.0, 0.0, 1.0]),
     seed=st.integers(0, 1000),
     n_predict=st.integers(1, 40),
+    policy=st.sampled_from(["classic", "adaptive"]),
 )
 def test_draft_model_trees_give_plain_generations_output(
-    zoo, exactness_log, kind, draft_config, temperature, seed, n_predict
+    zoo, exactness_log, kind, draft_config, temperature, seed, n_predict, policy
 ):
     sampling = SamplingParams(temperature=temperature, seed=seed)
     config = GenerationConfig(n_predict=n_predict, ignore_eos=True)
     expected = Pipeline(make_backend(zoo, kind)).generate(PROMPT, sampling, config)
     pipeline = Pipeline(
-        make_backend(zoo, kind), make_backend(zoo, kind, draft=True), draft_config=draft_config
+        make_backend(zoo, kind),
+        make_backend(zoo, kind, draft=True),
+        draft_config=draft_config,
+        **policy_of(policy),
     )
     result = pipeline.generate(PROMPT, sampling, config)
     assert result.tokens == expected.tokens
     mode = "greedy" if temperature == 0 else "match"
-    exactness_log.record(
-        f"tree/draft-p_split-{mode}", kind, result.stats, result.stats.stop_reason, dtype_of(kind)
-    )
+    label = f"tree/draft-p_split-{mode}" + ("/adaptive" if policy == "adaptive" else "")
+    exactness_log.record(label, kind, result.stats, result.stats.stop_reason, dtype_of(kind))
 
 
 def test_draft_model_tree_shape_follows_p_split(zoo):
@@ -491,6 +508,61 @@ def test_draft_model_tree_shape_follows_p_split(zoo):
         draft.tokens[: len(PROMPT)] == PROMPT
         and draft.tokens[len(PROMPT) :] == top1[: len(draft.tokens) - len(PROMPT)]
     )
+
+
+class RankRule:
+    """A policy's rule (`KeepDrafting`) that makes a node of every candidate whose rank
+    probability is above `floor`; chains by the same test."""
+
+    def __init__(self, floor: float) -> None:
+        self.floor = floor
+        self.asked: list[tuple[int, float, int]] = []
+
+    def __call__(self, depth: int, confidence: float) -> bool:
+        return confidence > self.floor
+
+    def node(self, parent_reach: float, depth: int, confidence: float, nodes: int) -> float | None:
+        self.asked.append((depth, confidence, nodes))
+        return parent_reach * confidence if confidence > self.floor else None
+
+
+@pytest.mark.parametrize(("floor", "branches"), [(0.0, 3), (0.999, 0)])
+def test_a_policys_rule_decides_the_tree_nodes_in_place_of_p_min_and_p_split(zoo, floor, branches):
+    target, draft = make_backend(zoo, "native-float64"), make_backend(zoo, "native-float64", draft=True)
+    config = DraftModelConfig(n_max=10, p_min=1.0, p_split=1.0, n_parallel=3)  # classic: no node
+    run = Pipeline(target, draft, draft_config=config).stream(PROMPT, GREEDY, GenerationConfig(n_predict=2))
+    strategy = run.chain.strategies[0]
+    target.evaluate(PROMPT)
+    strategy.keep_drafting = RankRule(floor)
+    proposal = strategy.draft(PROMPT[:-1], PROMPT[-1], 10)
+    leaves = set(range(len(proposal.tokens))) - set(proposal.parent_list())
+    assert len(leaves) == branches  # all n_parallel branches, or (nothing likely enough) no draft
+    assert proposal.confidences is None or len(proposal.confidences) == len(proposal.tokens)
+    asked = strategy.keep_drafting.asked
+    assert asked[0][0] == 1 and asked[0][2] == 0  # the root's best candidate first
+    if branches:
+        assert asked[1] == (1, pytest.approx(asked[1][1]), 1) and asked[0][1] >= asked[1][1]  # then rank 1
+    else:
+        assert len(asked) == 1 and proposal.tokens == []  # refused the best: none of the rest asked
+
+
+def test_adaptive_policy_sizes_trees_each_step(zoo, exactness_log):
+    """Under the policy, with room for four branches, the draft makes trees of several sizes
+    (and chains, or nothing, where branching does not pay), and learns from their outcomes."""
+    target, draft = make_backend(zoo, "native-float64"), make_backend(zoo, "native-float64", draft=True)
+    models = cpu_policy()
+    config = DraftModelConfig(n_max=8, n_parallel=4)
+    pipeline = Pipeline(target, draft, draft_config=config, spec_policy="adaptive", policy_models=models)
+    generation = GenerationConfig(n_predict=60, ignore_eos=True)
+    result = pipeline.generate(PROMPT, GREEDY, generation)
+    assert (
+        result.tokens
+        == Pipeline(make_backend(zoo, "native-float64")).generate(PROMPT, GREEDY, generation).tokens
+    )
+    sizes = {length for (strategy, length) in models.choices if strategy == "draft tree"}
+    assert result.stats.totals.n_tree_drafts > 0 and len(sizes) > 1
+    assert any(counts[1] > 0 for (_, depth, _), counts in models.acceptance.cells.items() if depth == 1)
+    exactness_log.record("tree/draft-p_split-greedy/adaptive", "native-float64", result.stats, "n_predict")
 
 
 def test_a_draft_tree_that_never_branches_is_the_chain(zoo):
@@ -587,9 +659,10 @@ def eagle3_models(kind: str) -> tuple[LlamaForCausalLM, LlamaForCausalLM]:
     temperature=st.sampled_from([0.0, 0.0, 0.8]),
     seed=st.integers(0, 1000),
     n_predict=st.integers(1, 40),
+    policy=st.sampled_from(["classic", "adaptive"]),
 )
 def test_eagle3_trees_give_plain_generations_output(
-    exactness_log, kind, tree_tokens, topk, n_max, with_draft_tree, temperature, seed, n_predict
+    exactness_log, kind, tree_tokens, topk, n_max, with_draft_tree, temperature, seed, n_predict, policy
 ):
     """EAGLE-2 dynamic trees of the head, alone or behind the draft model's p_split trees in a
     chain (the head then catches up on the target's hidden rows of committed tree paths)."""
@@ -606,11 +679,13 @@ def test_eagle3_trees_give_plain_generations_output(
         cls(draft, cached_tokenizer()) if with_draft_tree else None,
         eagle3=eagle3_head(),
         draft_config=draft_config,
+        **policy_of(policy),
     )
     result = pipeline.generate(PROMPT, sampling, config)
     assert result.tokens == expected.tokens
     mode = "greedy" if temperature == 0 else "match"
-    exactness_log.record(f"tree/eagle3-{mode}", kind, result.stats, result.stats.stop_reason, dtype_of(kind))
+    label = f"tree/eagle3-{mode}" + ("/adaptive" if policy == "adaptive" else "")
+    exactness_log.record(label, kind, result.stats, result.stats.stop_reason, dtype_of(kind))
 
 
 def test_eagle3_trees_accept_more_per_pass_than_its_chain():

@@ -85,7 +85,6 @@ class Pipeline:
             raise SpecdecodeError("--spec-type eagle3 needs an EAGLE-3 head (-me DIR)")
         self.shared = shared if shared is not None else SharedState(ngram, self.spec_types, target.vocab.size)
         self.spec_policy = check_policy(spec_policy)
-        self._check_chains(draft_config)
         self.policy_models = None
         self._load_rule: LoadRule | None = None
         self._batch: tuple[DraftPasses | None, list[Pipeline]] | None = None  # see _seats
@@ -152,7 +151,6 @@ class Pipeline:
         draft_config: drafting settings for this generation only (None: the pipeline's own).
         constraint: a grammar, JSON schema or regex the output must match (see
         `specdecode.constraints`); a SpecdecodeError if it is not a valid one."""
-        self._check_chains(draft_config or self.draft_config)
         matcher = Constraint.for_backend(constraint, self.target) if constraint is not None else None
         sampler = Sampler(sampling)
         setup = SpecSetup(
@@ -250,14 +248,6 @@ class Pipeline:
         if self._load_rule is None:
             self._load_rule = LoadRule.timed(self.target.fork())
         return self._load_rule
-
-    def _check_chains(self, config: DraftModelConfig) -> None:
-        """The adaptive policy drafts chains: refuse tree settings rather than ignore them."""
-        if self.spec_policy == "adaptive" and (config.n_parallel > 1 or config.tree_tokens > 0):
-            raise SpecdecodeError(
-                "--spec-policy adaptive drafts chains: --draft-n-parallel and --draft-tree-tokens "
-                "need --spec-policy classic"
-            )
 
     def _translator(self, replacements: Sequence[tuple[str, str]] | None) -> VocabTranslator | None:
         if self.draft is None:

@@ -81,7 +81,7 @@ class Chain:
         n_nodes nodes; empty if none. With a policy: the draft it chooses, or none."""
         self._last = None
         if self.policy is not None:
-            return self._draft_adaptive(self.policy, history, last, n_max)
+            return self._draft_adaptive(self.policy, history, last, n_max, n_nodes)
         for index, strategy in enumerate(self.strategies):
             if index in self._failed:
                 continue
@@ -109,9 +109,12 @@ class Chain:
         self._last = index
         return replace(draft, strategy=self.strategies[index].name)
 
-    def _draft_adaptive(self, policy: AdaptivePolicy, history: Sequence[int], last: int, n_max: int) -> Draft:
+    def _draft_adaptive(
+        self, policy: AdaptivePolicy, history: Sequence[int], last: int, n_max: int, n_nodes: int | None
+    ) -> Draft:
         """Every model-free draft cut to its best length, against a plain step, against the
-        drafting model with the best measured rate (run only if that rate is the best)."""
+        drafting model with the best measured rate (run only if that rate is the best; its
+        draft, a chain or a tree, is shaped by the policy's rule as it drafts)."""
         start = time.perf_counter()
         step = self._step = _Step()
         free: dict[int, Draft] = {}  # model-free strategy -> its draft
@@ -149,8 +152,8 @@ class Chain:
                 finally:
                     strategy.keep_drafting = None
                 step.t_model = time.perf_counter() - model_start
-                if draft.tokens and draft.is_chain:
-                    best_index, best_draft = index, draft.truncated(n_max)
+                if draft.tokens:
+                    best_index, best_draft = index, draft.truncated(n_max, n_nodes).simplified()
             policy.skipped([names[i] for i in models if names[i] != step.model])
         step.t_draft = time.perf_counter() - start
         if best_index < 0:
@@ -158,12 +161,20 @@ class Chain:
         step.strategy = self.strategies[best_index].name
         return self._chosen(best_index, best_draft)
 
-    def accept(self, draft: Draft, n_accepted: int, t_pass: float = 0.0, emitted: Sequence[int] = ()) -> None:
+    def accept(
+        self,
+        draft: Draft,
+        n_accepted: int,
+        t_pass: float = 0.0,
+        emitted: Sequence[int] = (),
+        path: Sequence[int] | None = None,
+    ) -> None:
         """Report the verification of the last draft: n_accepted tokens kept, down one path
-        (for strategies, a no-op without a draft), in a target pass of t_pass seconds that
-        emitted these tokens."""
+        (the nodes `path`; None: a chain's first n_accepted), for strategies a no-op without a
+        draft, in a target pass of t_pass seconds that emitted these tokens."""
         if self.policy is not None and self._step is not None:
-            self._step.report(self.policy, draft, n_accepted, t_pass, emitted)
+            kept = list(range(n_accepted)) if path is None else list(path)
+            self._step.report(self.policy, draft, kept, t_pass, emitted)
             self._step = None
         if self._last is None:
             return
@@ -214,15 +225,28 @@ class _Step:
         self.drafts: dict[str, list[int]] = {}  # model-free strategy -> its whole draft
 
     def report(
-        self, policy: AdaptivePolicy, draft: Draft, n_accepted: int, t_pass: float, emitted: Sequence[int]
+        self, policy: AdaptivePolicy, draft: Draft, path: list[int], t_pass: float, emitted: Sequence[int]
     ) -> None:
         k = len(draft.tokens)
         confidences: list[float | None] = [None] * k
         if self.stopper is not None and self.strategy == self.model:
-            seen = self.stopper.confidences  # a translated draft may differ in length: pad with the last
-            confidences = [seen[min(i, len(seen) - 1)] for i in range(k)] if seen else confidences
-        steps = len(self.stopper.confidences) + 1 if self.stopper is not None else 0
+            seen = self.stopper.confidences
+            if draft.confidences is not None:
+                confidences = list(draft.confidences)
+            elif seen:  # a translated draft may differ in length: pad with the last
+                confidences = [seen[min(i, len(seen) - 1)] for i in range(k)]
+        steps = 0
+        if self.stopper is not None:  # the model's steps: one per token, or per depth of a tree
+            steps = (len(self.stopper.confidences) if draft.is_chain else draft.depth) + 1
         policy.observe(
-            self.strategy, confidences, n_accepted, self.t_draft, t_pass, self.model, steps, self.t_model
+            self.strategy,
+            confidences,
+            path,
+            self.t_draft,
+            t_pass,
+            self.model,
+            steps,
+            self.t_model,
+            parents=draft.parents,
         )
         policy.watch(self.drafts, emitted)

@@ -135,7 +135,8 @@ def add_spec_args(parser: argparse.ArgumentParser) -> None:
         default="classic",
         help="classic: llama.cpp's fixed chain, --draft-p-min and --draft-max; adaptive: each step "
         "drafts the strategy and length with the most expected tokens per second, from pass costs "
-        "timed at load and acceptance measured as it runs (chains only; --draft-max caps the length)",
+        "timed at load and acceptance measured as it runs (--draft-max caps the length; with tree "
+        "settings it sizes each tree)",
     )
     group.add_argument("--draft-max", "--spec-draft-n-max", type=int, default=16, help="max draft tokens")
     group.add_argument(

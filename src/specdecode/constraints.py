@@ -260,15 +260,7 @@ class Constraint:
                 keep.append(node)
                 kept.add(node)
         self.rewind()
-        if len(keep) == len(draft.tokens):
-            return draft
-        index = {old: new for new, old in enumerate(keep)}
-        return Draft(
-            tokens=[draft.tokens[i] for i in keep],
-            probs=None if draft.probs is None else draft.probs[keep],
-            strategy=draft.strategy,
-            parents=[index.get(parents[i], -1) for i in keep],
-        ).simplified()
+        return draft if len(keep) == len(draft.tokens) else draft.subset(keep).simplified()
 
     def _goto(self, stack: list[int], path: list[int], tokens: Sequence[int]) -> bool:
         """Move the scratch path (nodes `stack`, updated) to the tree path `path`: rewind to

@@ -193,7 +193,7 @@ class Generation:
         self.stats.n_passes += 1
         self.stats.n_step_tokens += len(verdict.emitted)
         if self.chain:  # also after a plain step: the adaptive policy learns from it
-            self.chain.accept(draft, n_accepted, t_pass, verdict.emitted)
+            self.chain.accept(draft, n_accepted, t_pass, verdict.emitted, verdict.path)
         if draft.tokens:
             self.stats.totals.record(len(draft.tokens), draft.depth, n_accepted)
         return self._emit(verdict.emitted, draft, n_accepted)

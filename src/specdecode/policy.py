@@ -28,8 +28,13 @@ emitted, over as many steps as that takes: the one not chosen, and the part of t
 that was cut off. Otherwise a strategy passed over would never be learnt from, and a draft cut
 to k tokens would never show that its (k+1)-th token was right, so lengths could only shrink.
 
-Drafts are chains: trees are left to `classic`. Whatever is drafted, verification keeps the
-output plain generation's, so the policy changes speed only.
+Trees: where the settings let a drafting model branch (--draft-n-parallel, --draft-tree-tokens),
+the same rule decides node by node which of its candidates become nodes (a node is worth it
+while its chance of being reached and kept beats the cost of its draft step and verify row at
+the step's rate), so the tree's size and shape are chosen each step, down to a chain or
+nothing; each verified tree teaches the acceptance model about every node whose parent was
+kept. Whatever is drafted, verification keeps the output plain generation's, so the policy
+changes speed only.
 """
 
 from __future__ import annotations
@@ -211,10 +216,25 @@ class AcceptanceModel:
     def observe(self, strategy: str, confidences: list[float | None], n_accepted: int) -> None:
         """A verified chain: depths 1..n_accepted kept, the next one rejected, the rest unseen."""
         for depth, confidence in enumerate(confidences[: n_accepted + 1], start=1):
-            cell = self.cells.setdefault(_cell(strategy, depth, confidence), [0.0, 0.0])
-            cell[0] *= DECAY
-            cell[1] *= DECAY
-            cell[0 if depth <= n_accepted else 1] += 1.0
+            self._count(strategy, depth, confidence, depth <= n_accepted)
+
+    def observe_tree(
+        self, strategy: str, confidences: list[float | None], parents: Sequence[int], path: Sequence[int]
+    ) -> None:
+        """A verified tree whose nodes `path` were kept: every node whose parent was kept (or
+        is the root) was kept or rejected; the nodes below a rejected one are unseen."""
+        kept = set(path)
+        depths: list[int] = []
+        for node, parent in enumerate(parents):
+            depths.append(1 if parent < 0 else depths[parent] + 1)
+            if parent < 0 or parent in kept:
+                self._count(strategy, depths[node], confidences[node], node in kept)
+
+    def _count(self, strategy: str, depth: int, confidence: float | None, kept: bool) -> None:
+        cell = self.cells.setdefault(_cell(strategy, depth, confidence), [0.0, 0.0])
+        cell[0] *= DECAY
+        cell[1] *= DECAY
+        cell[0 if kept else 1] += 1.0
 
 
 def _cell(strategy: str, depth: int, confidence: float | None) -> tuple[str, int, int]:
@@ -286,9 +306,10 @@ class PolicyModels:
 
 
 class Stopper:
-    """The "keep drafting?" rule of one model draft: one more token is drafted while its gain,
-    the tokens it adds in expectation less what its draft step and verify row cost at the
-    policy's rate, is positive. Remembers the confidences of the tokens it let through."""
+    """The drafting rule of one model draft (`strategies.base.KeepDrafting`): a token or tree
+    node is drafted while its gain, the tokens it adds in expectation (its chance of being
+    reached and kept) less what its draft step and verify row cost at the step's rate, is
+    positive. Remembers the confidences of the chain tokens it let through."""
 
     def __init__(self, models: PolicyModels, strategy: str, rate: float, source: str | None = None) -> None:
         """source: the acceptance model's name for the strategy's drafts (`AdaptivePolicy.source`)."""
@@ -300,15 +321,18 @@ class Stopper:
         self._reach = 1.0  # P(every token so far kept)
 
     def __call__(self, depth: int, confidence: float) -> bool:
-        """May the token at `depth` (1-based), of this top-1 confidence, be drafted?"""
-        a = self.models.acceptance.estimate(self.source, depth, confidence, confidence)
-        costs = self.models.costs
-        seconds = costs.step_time(self.strategy) + costs.pass_time(depth + 1) - costs.pass_time(depth)
-        if self._reach * a <= self.rate * seconds:
+        reach = self.node(self._reach, depth, confidence, depth - 1)
+        if reach is None:
             return False
-        self._reach *= a
+        self._reach = reach
         self.confidences.append(confidence)
         return True
+
+    def node(self, parent_reach: float, depth: int, confidence: float, nodes: int) -> float | None:
+        reach = parent_reach * self.models.acceptance.estimate(self.source, depth, confidence, confidence)
+        costs = self.models.costs
+        seconds = costs.step_time(self.strategy) + costs.pass_time(nodes + 2) - costs.pass_time(nodes + 1)
+        return reach if reach > self.rate * seconds else None
 
 
 class AdaptivePolicy:
@@ -405,28 +429,34 @@ class AdaptivePolicy:
         self,
         strategy: str | None,
         confidences: list[float | None],
-        n_accepted: int,
+        path: Sequence[int],
         t_draft: float,
         t_pass: float,
         model: str | None,
         model_steps: int,
         t_model: float,
+        parents: Sequence[int] | None = None,
     ) -> None:
-        """One verified step: `strategy`'s chain (None: a plain step) of len(confidences) tokens,
-        n_accepted kept, drafted in t_draft seconds and verified in a pass of t_pass; `model` is
-        the drafting model run this step (if any), in model_steps steps taking t_model seconds.
-        A model-free chain is left to `watch` where verification is counterfactual."""
+        """One verified step: `strategy`'s draft (None: a plain step) of len(confidences) nodes,
+        a chain or (parents) a tree, whose nodes `path` were kept, drafted in t_draft seconds
+        and verified in a pass of t_pass; `model` is the drafting model run this step (if
+        any), in model_steps steps taking t_model seconds. A model-free chain is left to
+        `watch` where verification is counterfactual."""
         models = self.models
         weight = EMA if models.step_seconds > 0 else 1.0
-        models.step_tokens += weight * (1.0 + n_accepted - models.step_tokens)
+        models.step_tokens += weight * (1.0 + len(path) - models.step_tokens)
         models.step_seconds += weight * (t_draft + t_pass - models.step_seconds)
         models.costs.observe_pass(len(confidences) + 1, t_pass)
-        models.choices[(strategy or "none", len(confidences))] += 1
+        shape = "tree" if parents is not None else ""
+        models.choices[(f"{strategy} {shape}".strip() if strategy else "none", len(confidences))] += 1
         if strategy is not None and (strategy == model or not self.counterfactual):
-            models.acceptance.observe(self.source(strategy), confidences, n_accepted)  # else: `watch`
+            if parents is None:
+                models.acceptance.observe(self.source(strategy), confidences, len(path))
+            else:
+                models.acceptance.observe_tree(self.source(strategy), confidences, parents, path)
         if model is not None:
             models.costs.observe_draft(model, model_steps, t_model)
-            tokens, rows = 1.0 + n_accepted, len(confidences) + 1  # whoever drafted: what running it gave
+            tokens, rows = 1.0 + len(path), len(confidences) + 1  # whoever drafted: what running it gave
             models.records.setdefault(self.source(model), Record()).update(tokens, rows)
 
     def watch(self, drafts: dict[str, list[int]], emitted: Sequence[int]) -> None:

@@ -151,7 +151,7 @@ def build_systems(
     """The named systems over the loaded models; "plain" always comes first (the baseline)."""
     known = system_names(draft is not None, include_hf=True, has_eagle3=eagle3 is not None)
     ours = [name for name in known if not name.startswith("hf-") and name != "plain"]
-    known += [name + ADAPTIVE for name in ours if "tree" not in name]
+    known += [name + ADAPTIVE for name in ours]
     unknown = [name for name in names if static_base(name) not in known]
     if unknown:
         raise SpecdecodeError(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol, runtime_checkable
 
@@ -21,6 +21,9 @@ class Draft:
     siblings drawn without replacement, node i's row is the parent's distribution with the
     earlier siblings removed and renormalised. None for a deterministic proposer, which
     verification treats as a point mass on each node.
+    confidences: a drafting model's confidence in each node (the top-1 probability it drafted a
+    chain token at; for the j-th child of a tree node, the j-th largest probability), which
+    the adaptive policy learns acceptance by; None for model-free drafts.
     An empty draft means "no opinion": the step falls back to one plain target token.
     """
 
@@ -28,11 +31,14 @@ class Draft:
     probs: torch.Tensor | None = None
     strategy: str | None = None  # set by the chain: who drafted it
     parents: list[int] | None = None
+    confidences: list[float] | None = None
 
     def __post_init__(self) -> None:
         if self.parents is not None:
             assert len(self.parents) == len(self.tokens), "one parent per node"
             assert all(-1 <= p < i for i, p in enumerate(self.parents)), "parents must come first"
+        if self.confidences is not None:
+            assert len(self.confidences) == len(self.tokens), "one confidence per node"
 
     @property
     def is_chain(self) -> bool:
@@ -64,18 +70,19 @@ class Draft:
         """The draft cut to paths of at most `depth` tokens and (trees) the first `nodes` nodes."""
         if self.parents is None:
             n = min(depth, len(self.tokens) if nodes is None else nodes)
-            if len(self.tokens) <= n:
-                return self
-            return replace(self, tokens=self.tokens[:n], probs=None if self.probs is None else self.probs[:n])
+            return self if len(self.tokens) <= n else self.subset(list(range(n)))
         keep = [i for i, d in enumerate(self.depths()) if d <= depth][:nodes]
-        if len(keep) == len(self.tokens):
-            return self
-        index = {old: new for new, old in enumerate(keep)}  # parents come first, so they are kept
+        return self if len(keep) == len(self.tokens) else self.subset(keep)
+
+    def subset(self, keep: list[int]) -> Draft:
+        """The nodes `keep` (ascending, each one's parent kept too), with what each carries."""
+        index = {old: new for new, old in enumerate(keep)}
         return replace(
             self,
             tokens=[self.tokens[i] for i in keep],
-            parents=[index.get(self.parents[i], -1) for i in keep],
+            parents=None if self.parents is None else [index.get(self.parents[i], -1) for i in keep],
             probs=None if self.probs is None else self.probs[keep],
+            confidences=None if self.confidences is None else [self.confidences[i] for i in keep],
         )
 
 
@@ -113,13 +120,23 @@ class Strategy(Protocol):
     def end(self) -> None: ...
 
 
-# (depth of the next token, 1-based; its top-1 confidence) -> draft it?
-KeepDrafting = Callable[[int, float], bool]
+class KeepDrafting(Protocol):
+    """A policy's rule for what a drafting model drafts, in place of p_min (and, in trees, of
+    p_split and the node budget's ranking)."""
+
+    def __call__(self, depth: int, confidence: float) -> bool:
+        """Chains: draft the token at `depth` (1-based), of this top-1 confidence?"""
+
+    def node(self, parent_reach: float, depth: int, confidence: float, nodes: int) -> float | None:
+        """Trees: the chance that a node at `depth` with this confidence is reached and kept,
+        given its parent's (1 for a child of the root), when that is worth its cost in a tree
+        of `nodes` nodes so far; None when it is not."""
 
 
 @runtime_checkable
 class Steerable(Protocol):
-    """A drafting model whose drafts a policy may stop token by token: while `keep_drafting` is
-    set, it replaces the `confidence >= p_min` rule (the chain sets it for one draft call)."""
+    """A drafting model whose drafts a policy may steer: while `keep_drafting` is set, it
+    replaces the `confidence >= p_min` rule, and in trees decides which nodes are drafted
+    (the chain sets it for one draft call)."""
 
     keep_drafting: KeepDrafting | None

@@ -12,6 +12,11 @@ opens a new one; a tree holds at most n_max nodes. All nodes of one depth are sc
 tree pass of the draft model, so a prefix shared by branches is evaluated once. For rejection
 verification the children of a node are drawn from the draft's distribution without
 replacement, each reported with the distribution it was drawn from.
+
+Under a policy's rule (`keep_drafting`, see `specdecode.policy`) the rule decides in place of
+p_min which chain token is drafted, and in trees in place of p_min and p_split which of a
+node's candidates (ranks 0..7, still at most n_parallel branches and n_max nodes) become
+nodes, from each candidate's rank probability: never from which token was drawn.
 """
 
 from __future__ import annotations
@@ -76,9 +81,8 @@ def top1_confidence(logits: torch.Tensor) -> float:
     return float(top_candidates(logits)[1][0])
 
 
-def continue_draft(rule: KeepDrafting | None, depth: int, logits: torch.Tensor, p_min: float) -> bool:
-    """Draft the token at `depth` whose logits [V] these are? The policy's rule, else p_min's."""
-    confidence = top1_confidence(logits)
+def continue_draft(rule: KeepDrafting | None, depth: int, confidence: float, p_min: float) -> bool:
+    """Draft the token at `depth` of this top-1 confidence? The policy's rule, else p_min's."""
     return confidence >= p_min if rule is None else rule(depth, confidence)
 
 
@@ -145,6 +149,7 @@ class DraftModelStrategy:
                     self.constraint.rewind()
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
+        confidences: list[float] = []
         # Under a constraint, a draft of the target's vocabulary is masked as it is drafted (one
         # translated through text is cut by the chain instead).
         constraint = self.constraint if self.translator is None else None
@@ -152,13 +157,15 @@ class DraftModelStrategy:
             while len(tokens) < n_max:
                 if constraint is not None and (logits := constraint.draft_logits(logits)) is None:
                     break  # the grammar is complete
-                if not continue_draft(self.keep_drafting, len(tokens) + 1, logits, self.config.p_min):
+                confidence = top1_confidence(logits)
+                if not continue_draft(self.keep_drafting, len(tokens) + 1, confidence, self.config.p_min):
                     break
                 token, row = self._pick(logits, [*context, *tokens])
                 if self.translator is None and token >= self.target_vocab_size:
                     break  # the target cannot emit ids past its vocabulary
                 tokens.append(token)
                 rows.append(row)
+                confidences.append(confidence)
                 if constraint is not None:
                     constraint.push(token)
                 if len(tokens) < n_max:
@@ -166,13 +173,15 @@ class DraftModelStrategy:
         finally:
             if constraint is not None:
                 constraint.rewind()
-        return self._to_target(tokens, rows, n_max)
+        return self._to_target(tokens, rows, confidences, n_max)
 
     def _draft_tree(self, context: list[int], root_logits: torch.Tensor, n_max: int) -> Draft:
         """The p_split tree after `context` (whose logits are root_logits), at most n_max nodes."""
         tokens: list[int] = []
         parents: list[int] = []
         rows: list[torch.Tensor] = []
+        confidences: list[float] = []
+        reaches: list[float] = []  # each node's chance of being kept, by the policy's rule
         paths: list[list[int]] = []  # each node's tokens from the root down
         frontier: list[tuple[int, torch.Tensor]] = [(-1, root_logits)]  # (node, its logits)
         branches = 1
@@ -184,16 +193,21 @@ class DraftModelStrategy:
                 path = paths[parent] if parent >= 0 else []
                 if self.constraint is not None and (logits := self.constraint.mask_at(path, logits)) is None:
                     continue  # the grammar is complete after this node
-                if len(tokens) >= n_max or top1_confidence(logits) < self.config.p_min:
+                if len(tokens) >= n_max:
                     continue
-                picks = self._children(
-                    logits, [*context, *path], n_max - len(tokens), self._splits(logits, branches)
-                )
+                probs = top_candidates(logits)[1]
+                reach = reaches[parent] if parent >= 0 else 1.0
+                child_reaches = self._child_reaches(probs, branches, reach, depth + 1, len(tokens))
+                if not child_reaches:
+                    continue
+                picks = self._children(logits, [*context, *path], n_max - len(tokens), len(child_reaches) - 1)
                 branches += max(0, len(picks) - 1)
-                for token, row in picks:
+                for rank, (token, row) in enumerate(picks):
                     tokens.append(token)
                     parents.append(parent)
                     rows.append(row)
+                    confidences.append(float(probs[rank]))
+                    reaches.append(child_reaches[rank])
                     paths.append([*path, token])
                     new.append(len(tokens) - 1)
                 if parent == main and picks:
@@ -210,7 +224,7 @@ class DraftModelStrategy:
         if not tokens or max(len(p) for p in paths) < self.n_min:
             return Draft()
         probs = torch.stack(rows) if self.sampler is not None else None  # [N, V]
-        return Draft(tokens, probs, parents=parents).simplified()
+        return Draft(tokens, probs, parents=parents, confidences=confidences).simplified()
 
     def _score(self, new: list[int], tokens: list[int], parents: list[int], cached: int) -> torch.Tensor:
         """The draft's logits [len(new), V] for the nodes of one depth: while the tree has one
@@ -222,16 +236,31 @@ class DraftModelStrategy:
             [tokens[n] for n in new], [max(parents[n] - cached, -1) for n in new]
         )
 
-    def _splits(self, logits: torch.Tensor, branches: int) -> int:
-        """How many extra branches a node opens: candidates of rank 1..7 above p_split, while
-        fewer than n_parallel branches exist."""
-        _, probs = top_candidates(logits)
-        extra = 0
-        for rank in range(1, min(SPLIT_RANKS, len(probs))):
-            if branches + extra >= self.config.n_parallel or float(probs[rank]) <= self.config.p_split:
+    def _child_reaches(
+        self, probs: torch.Tensor, branches: int, parent_reach: float, depth: int, nodes: int
+    ) -> list[float]:
+        """One entry per child a node gets, best rank first, from its candidates' probabilities
+        `probs` (ranks 0..): classically the top one if it reaches p_min, then each next one
+        above p_split while fewer than n_parallel branches exist; under a policy's rule, the
+        candidates the rule finds worth it (entries: the chances it gives them), within the
+        same branch limit. Classic entries are 1.0 (unused)."""
+        rule, config = self.keep_drafting, self.config
+        if rule is None and float(probs[0]) < config.p_min:
+            return []
+        reaches: list[float] = []
+        for rank in range(min(SPLIT_RANKS, len(probs))):
+            if rank > 0 and branches + rank > config.n_parallel:
                 break
-            extra += 1
-        return extra
+            if rule is None:
+                if rank > 0 and float(probs[rank]) <= config.p_split:
+                    break
+                reaches.append(1.0)
+                continue
+            reach = rule.node(parent_reach, depth, float(probs[rank]), nodes + rank)
+            if reach is None:
+                break
+            reaches.append(reach)
+        return reaches
 
     def _children(
         self, logits: torch.Tensor, context: list[int], room: int, extra: int
@@ -278,12 +307,15 @@ class DraftModelStrategy:
             self._window_start = max(0, len(ids) - max(1, room // 2))
         return ids[self._window_start :]
 
-    def _to_target(self, tokens: list[int], rows: list[torch.Tensor | None], n_max: int) -> Draft:
+    def _to_target(
+        self, tokens: list[int], rows: list[torch.Tensor | None], confidences: list[float], n_max: int
+    ) -> Draft:
         if self.translator is not None:
             # Probabilities over the draft's vocabulary do not carry over: verify as point masses.
-            tokens, probs = self.translator.to_target(tokens)[:n_max], None
+            tokens, probs, kept_confidences = self.translator.to_target(tokens)[:n_max], None, None
         else:
             probs = torch.stack(rows) if tokens and self.sampler is not None else None  # [K, V]
+            kept_confidences = confidences
         if len(tokens) < self.n_min:
             return Draft()
-        return Draft(tokens, probs)
+        return Draft(tokens, probs, confidences=kept_confidences)

@@ -21,7 +21,10 @@ of that depth in one head pass, each giving its `tree_topk` best children; then 
 `tree_tokens` best nodes overall are kept, best first (a child never outscores its parent, so
 they form a tree, and so does every prefix of them: `Draft.truncated` keeps the best). Depth
 is capped by n_max and the step's budget; p_min does not cut trees (the node budget does),
-and a tree shallower than n_min is dropped. Tree nodes are scratch in the head's cache
+and a tree shallower than n_min is dropped. Under a policy's rule (`keep_drafting`) a node's
+score is instead the chance the rule gives it of being reached and kept (from the same j-th
+largest probabilities), and a child the rule finds not worth its cost is not made at all, so
+the budget is only an upper bound. Tree nodes are scratch in the head's cache
 (`HeadTree`), dropped after each draft. For rejection verification the children are drawn
 without replacement from the head's sampling distribution, each reporting the distribution
 it was drawn from; the j-th drawn child is scored with the head's j-th largest probability
@@ -40,7 +43,7 @@ import torch
 from specdecode.backends import Backend, common_prefix, hidden_state_source
 from specdecode.sampling import Sampler, distribution
 from specdecode.strategies.base import Draft, KeepDrafting, path_to
-from specdecode.strategies.draft_model import DraftModelConfig, continue_draft
+from specdecode.strategies.draft_model import DraftModelConfig, continue_draft, top1_confidence
 from specdecode.strategies.eagle3_head import Eagle3Head, HeadCache, HeadTree
 
 if TYPE_CHECKING:
@@ -97,19 +100,22 @@ class Eagle3Strategy:
             return self._draft_tree(h, logits, context, n_max)
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
+        confidences: list[float] = []
         constraint = self.constraint
         try:
             while len(tokens) < n_max:
                 if constraint is not None and (logits := constraint.draft_logits(logits)) is None:
                     break  # the grammar is complete
                 # Every token the grammar allows may lie outside the head's vocabulary: no draft.
-                if not bool(torch.isfinite(logits).any()) or not continue_draft(
-                    self.keep_drafting, len(tokens) + 1, logits, self.config.p_min
-                ):
+                if not bool(torch.isfinite(logits).any()):
+                    break
+                confidence = top1_confidence(logits)
+                if not continue_draft(self.keep_drafting, len(tokens) + 1, confidence, self.config.p_min):
                     break
                 token, row = self._pick(logits, [*context, *tokens])
                 tokens.append(token)
                 rows.append(row)
+                confidences.append(confidence)
                 if constraint is not None:
                     constraint.push(token)
                 if len(tokens) < n_max:
@@ -120,7 +126,8 @@ class Eagle3Strategy:
                 constraint.rewind()
         if len(tokens) < self.n_min:
             return Draft()
-        return Draft(tokens, torch.stack(rows) if tokens and self.sampler is not None else None)
+        probs = torch.stack(rows) if tokens and self.sampler is not None else None
+        return Draft(tokens, probs, confidences=confidences)
 
     def _pick(self, logits: torch.Tensor, context: list[int]) -> tuple[int, torch.Tensor | None]:
         if self.sampler is None:
@@ -137,6 +144,7 @@ class Eagle3Strategy:
         parents: list[int] = []
         depths: list[int] = []
         scores: list[float] = []  # log of the path's score
+        confidences: list[float] = []
         rows: list[torch.Tensor] = []
         states = {-1: seed}  # expanded node -> pre-norm state of its pair (-1: the seed pair)
         slots = {-1: -1}  # expanded node -> its index in the HeadTree (-1: none, the true pairs)
@@ -155,11 +163,17 @@ class Eagle3Strategy:
                     if self.sampler is not None:
                         history = [*context, *path]
                     children, child_scores, child_rows = self._children(row, history, topk)
+                    child_confidences = [math.exp(score) for score in child_scores]
                     base = scores[parent] if parent >= 0 else 0.0
+                    if self.keep_drafting is not None:
+                        child_scores = self._ruled_scores(base, depth, child_confidences, len(tokens))
+                        children, child_rows = children[: len(child_scores)], child_rows[: len(child_scores)]
+                        base = 0.0  # ruled scores are whole paths' already
                     tokens += children
                     parents += [parent] * len(children)
                     depths += [depth] * len(children)
                     scores += [base + score for score in child_scores]
+                    confidences += child_confidences[: len(children)]
                     rows += child_rows
                 if depth == depth_max:
                     break
@@ -189,7 +203,21 @@ class Eagle3Strategy:
             [tokens[i] for i in kept],
             torch.stack([rows[i] for i in kept]) if rows else None,
             parents=[index.get(parents[i], -1) for i in kept],
+            confidences=[confidences[i] for i in kept],
         )
+
+    def _ruled_scores(
+        self, parent_score: float, depth: int, confidences: list[float], nodes: int
+    ) -> list[float]:
+        """The logs of the chances the policy's rule gives a node's children (best rank first),
+        for as many as it finds worth their cost; parent_score is the log of the parent's."""
+        scores: list[float] = []
+        for rank, confidence in enumerate(confidences):
+            reach = self.keep_drafting.node(math.exp(parent_score), depth, confidence, nodes + rank)
+            if reach is None:
+                break
+            scores.append(math.log(reach))
+        return scores
 
     def _children(
         self, logits: torch.Tensor, context: list[int], k: int
