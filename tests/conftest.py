@@ -371,13 +371,15 @@ def gguf_files(tmp_path_factory) -> dict[str, Path]:
 
 
 class CpuCosts(CostModel):
-    """A large target's costs on a CPU (a pass of 17 rows 2.6x one row, a draft step a tenth of
-    a one-row pass), held fixed: on the tiny models here a draft step costs what a target step
-    does, and measured costs would have the policy draft next to nothing."""
+    """A large target's costs on a CPU (by default a pass of 17 rows 2.6x one row, a draft step
+    a tenth of a one-row pass), held fixed: on the tiny models here a draft step costs what a
+    target step does, and measured costs would have the policy draft next to nothing."""
 
-    def __init__(self) -> None:
+    def __init__(self, seventeen_rows: float = 0.026, draft_step: float | None = None) -> None:
         super().__init__()
-        self.calibrated.update({1: 0.010, 17: 0.026})
+        self.calibrated.update({1: 0.010, 17: seventeen_rows})
+        if draft_step is not None:
+            self.draft_step["draft"] = draft_step
 
     def observe_pass(self, rows: int, seconds: float) -> None:
         """Held fixed."""
@@ -397,3 +399,9 @@ class CpuPolicyModels(PolicyModels):
 
 def cpu_policy() -> PolicyModels:
     return CpuPolicyModels(costs=CpuCosts())
+
+
+def gpu_policy() -> PolicyModels:
+    """Costs shaped as a GPU's for a large target (a verify row nearly free, a draft step a
+    fiftieth of a target pass), where wide trees pay."""
+    return CpuPolicyModels(costs=CpuCosts(seventeen_rows=0.0105, draft_step=0.0002))

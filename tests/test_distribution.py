@@ -17,7 +17,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 import torch
-from conftest import chi_square_pvalue
+from conftest import chi_square_pvalue, gpu_policy
 
 from specdecode import DraftModelConfig, GenerationConfig, HFBackend, Pipeline, SamplingParams
 from specdecode.sampling import Sampler, distribution
@@ -372,6 +372,35 @@ def test_end_to_end_rejection_with_eagle3_matches_target_distribution(e2e_models
     assert 0.2 < n_accepted / n_drafted < 0.95, n_accepted / n_drafted  # about 0.34
     # power: the same counts reject a 20% contamination of p by another model's joint
     _, _, draft = e2e_models
+    draft_joint = exact_joint(draft, tokenizer, prompt, 3, e2e_params())
+    mixture = {
+        c: 0.8 * target_joint.get(c, 0.0) + 0.2 * draft_joint.get(c, 0.0)
+        for c in {*target_joint, *draft_joint}
+    }
+    assert chi_square_pvalue(counts, mixture) < ALPHA
+
+
+@pytest.mark.slow
+def test_end_to_end_rejection_with_adaptive_trees_matches_target_distribution(e2e_models, one_thread):
+    """The same fit when the adaptive policy shapes the draft model's trees (at most three
+    branches) node by node, learning across the seeds (with a GPU's costs, where branching
+    pays): 2500 seeds, alpha 0.001. Its rule reads each candidate's rank probability, never
+    which token was drawn into it."""
+    tokenizer, target, draft = e2e_models
+    models = gpu_policy()
+    pipe = Pipeline(
+        HFBackend(target, tokenizer, n_ctx=64),
+        HFBackend(draft, tokenizer, n_ctx=64),
+        draft_config=DraftModelConfig(n_max=3, n_parallel=3),
+        spec_policy="adaptive",
+        policy_models=models,
+    )
+    prompt = pipe.encode("def f(x):")
+    counts, n_drafted, n_accepted = sample_first_three(pipe, prompt, E2E_SEEDS, "rejection")
+    target_joint = exact_joint(target, tokenizer, prompt, 3, e2e_params())
+    assert chi_square_pvalue(counts, target_joint) > ALPHA
+    trees = sum(count for (strategy, _), count in models.choices.items() if strategy == "draft tree")
+    assert trees > E2E_SEEDS // 10 and 0 < n_accepted < n_drafted, (trees, n_drafted, n_accepted)
     draft_joint = exact_joint(draft, tokenizer, prompt, 3, e2e_params())
     mixture = {
         c: 0.8 * target_joint.get(c, 0.0) + 0.2 * draft_joint.get(c, 0.0)

@@ -30,6 +30,7 @@ from conftest import (
     cpu_policy,
     eagle3_head,
     eagle3_target,
+    gpu_policy,
 )
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -563,6 +564,31 @@ def test_adaptive_policy_sizes_trees_each_step(zoo, exactness_log):
     assert result.stats.totals.n_tree_drafts > 0 and len(sizes) > 1
     assert any(counts[1] > 0 for (_, depth, _), counts in models.acceptance.cells.items() if depth == 1)
     exactness_log.record("tree/draft-p_split-greedy/adaptive", "native-float64", result.stats, "n_predict")
+
+
+def test_adaptive_eagle3_trees_grow_where_rows_are_cheap(exactness_log):
+    """The same head and text under a CPU's costs and a GPU's (a verify row nearly free): the
+    policy drafts bigger EAGLE-3 trees where rows cost less, and both give plain's output."""
+    target = eagle3_target()
+    config = GenerationConfig(n_predict=60, ignore_eos=True)
+    expected = Pipeline(NativeBackend(target, cached_tokenizer())).generate(PROMPT, GREEDY, config)
+    nodes = {}
+    for name, models in (("cpu", cpu_policy()), ("gpu", gpu_policy())):
+        pipeline = Pipeline(
+            NativeBackend(target, cached_tokenizer()),
+            eagle3=eagle3_head(),
+            draft_config=DraftModelConfig(n_max=6, tree_tokens=16, tree_topk=4),
+            spec_policy="adaptive",
+            policy_models=models,
+        )
+        result = pipeline.generate(PROMPT, GREEDY, config)
+        assert result.tokens == expected.tokens
+        totals = result.stats.totals
+        nodes[name] = totals.n_drafted / max(1, totals.n_drafts)
+        exactness_log.record(
+            f"tree/eagle3-greedy/adaptive-{name}", "native-float64", result.stats, "n_predict"
+        )
+    assert nodes["gpu"] > 1.3 * nodes["cpu"], nodes
 
 
 def test_a_draft_tree_that_never_branches_is_the_chain(zoo):
