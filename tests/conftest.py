@@ -22,7 +22,7 @@ from scipy import stats
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
 from specdecode import HFBackend, Sampler, SamplingParams
-from specdecode.policy import CostModel, PolicyModels
+from specdecode.policy import CostModel, DraftCalls, PolicyModels
 from specdecode.testing import make_llama, make_tokenizer, perturbed_copy, save_model, truncated_copy
 
 VOCAB_SIZE = 320
@@ -379,7 +379,7 @@ class CpuCosts(CostModel):
         super().__init__()
         self.calibrated.update({1: 0.010, 17: seventeen_rows})
         if draft_step is not None:
-            self.draft_step["draft"] = draft_step
+            self.draft_calls["draft"] = DraftCalls(draft_step)
 
     def observe_pass(self, rows: int, seconds: float) -> None:
         """Held fixed."""

@@ -20,6 +20,7 @@ from specdecode.policy import (
     AcceptanceModel,
     AdaptivePolicy,
     CostModel,
+    DraftCalls,
     PolicyModels,
     Record,
     Stopper,
@@ -36,7 +37,7 @@ def cpu_costs(one_row: float = 0.012, draft_step: float = 0.001) -> CostModel:
     costs = CostModel()
     for rows, ratio in ((1, 1.0), (2, 1.1), (3, 1.2), (5, 1.35), (9, 1.8), (17, 2.5)):
         costs.calibrated[rows] = one_row * ratio
-    costs.draft_step["draft"] = draft_step
+    costs.draft_calls["draft"] = DraftCalls(draft_step)
     return costs
 
 
@@ -163,16 +164,25 @@ def test_calibration_times_every_row_count_and_leaves_the_cache_empty(zoo):
     assert target.tokens == []
 
 
-def test_draft_steps_are_costed_per_step():
+def test_draft_calls_are_a_line_in_their_steps():
     costs = CostModel()
     costs.calibrated[1] = 0.01
-    assert costs.draft_time("draft", 2) == pytest.approx(0.002)  # prior: a tenth of a pass each
+    assert costs.draft_time("draft", 2) == pytest.approx(0.002)  # prior: a tenth of a pass a step
+    assert costs.step_time("draft") == pytest.approx(0.001)
+    for _ in range(60):  # catching up costs 3 ms a call, each step 0.5 ms
+        costs.observe_draft("draft", 1, 0.0035)
+        costs.observe_draft("draft", 5, 0.0055)
+    assert costs.step_time("draft") == pytest.approx(0.0005, rel=0.02)
+    assert costs.draft_time("draft", 3) == pytest.approx(0.0045, rel=0.02)
+
+
+def test_draft_calls_never_get_cheaper_with_more_steps():
+    calls = DraftCalls(0.001)
     for _ in range(60):
-        costs.observe_draft("draft", 4, 0.004)
-    assert costs.draft_time("draft", 3) == pytest.approx(0.003, rel=0.01)
-    before = costs.step_time("draft")
-    costs.observe_draft("draft", 1, 0.5)  # a prompt caught up with: counted as twice a step
-    assert costs.step_time("draft") == pytest.approx(1.1 * before)
+        calls.observe(1, 0.004)
+        calls.observe(4, 0.003)  # noise: longer calls timed faster
+    a, b = calls.line()
+    assert b == 0.0 and a == pytest.approx(0.0035, rel=0.05)
 
 
 # --------------------------------------------------------------------------- acceptance model
@@ -388,6 +398,13 @@ def test_probes_that_keep_losing_come_ever_more_rarely():
         if model.asked > before:
             asked.append(step)
     assert asked == [9, 26, 59]  # after 8 idle steps, then 16, then 32
+    chain = Chain([model], AdaptivePolicy(models))  # the next generation waits as long: 64 steps
+    asked = model.asked
+    for _ in range(64):
+        chain.accept(chain.draft([1, 2], 3, 16), 0, 0.012)
+    assert model.asked == asked
+    chain.draft([1, 2], 3, 16)
+    assert model.asked == asked + 1
 
 
 def test_each_sampling_regime_learns_its_own_acceptance():

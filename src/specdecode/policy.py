@@ -7,7 +7,8 @@ depends on the text, the models and the machine, so `adaptive` measures instead:
 - Cost model: seconds of a target pass of T rows, a line a + b * T up to KNOT rows with a
   second slope beyond (once passes that long have run), fitted to passes timed briefly at load
   and to the passes actually run, recent ones weighing more (contexts grow, machines get
-  busy); and the seconds of one step of each drafting model.
+  busy); and the seconds of a drafting model's call as a line in its steps (what a call costs
+  anyway, catching up with the tokens verified since the last one, and what each step adds).
 - Acceptance model: per strategy, depth and draft-confidence bucket, P(the token is kept |
   its parent was), counted from every verified draft with decay, starting from the draft's
   calibrated confidence (model drafts) or from the estimate one depth up (model-free drafts).
@@ -89,7 +90,7 @@ class CostModel:
     def __init__(self) -> None:
         self.calibrated: dict[int, float] = {}  # rows -> the load-time median
         self.measured: dict[int, list[float]] = {}  # rows -> [count, total seconds] of passes run
-        self.draft_step: dict[str, float] = {}  # strategy -> moving average of one step
+        self.draft_calls: dict[str, DraftCalls] = {}  # drafting model -> its calls' cost line
         # decayed sums over passes run of w * f f^T and w * f y, f = (1, T, max(0, T - KNOT))
         self._gram = np.zeros((3, 3))
         self._moment = np.zeros(3)
@@ -147,16 +148,22 @@ class CostModel:
         return np.array([a, b, 0.0])
 
     def observe_draft(self, strategy: str, steps: int, seconds: float) -> None:
-        """A draft of `steps` steps took `seconds`: at most twice the estimate counts, since the
-        first step may also catch up with a whole prompt, which is not what a step costs."""
-        old = self.step_time(strategy)
-        self.draft_step[strategy] = (1 - EMA) * old + EMA * min(seconds / max(1, steps), 2 * old)
+        """A call of the drafting model `strategy` ran `steps` steps in `seconds`."""
+        self._draft_calls(strategy).observe(steps, seconds)
 
     def step_time(self, strategy: str) -> float:
-        return self.draft_step.get(strategy, PRIOR_DRAFT_STEP * self.pass_time(1))
+        """The seconds one more step of a drafting model adds to its call."""
+        return self._draft_calls(strategy).line()[1]
 
     def draft_time(self, strategy: str, steps: float) -> float:
-        return self.step_time(strategy) * steps
+        """The seconds of a call of `steps` steps, catching up included."""
+        a, b = self._draft_calls(strategy).line()
+        return a + b * steps
+
+    def _draft_calls(self, strategy: str) -> DraftCalls:
+        if strategy not in self.draft_calls:
+            self.draft_calls[strategy] = DraftCalls(PRIOR_DRAFT_STEP * self.pass_time(1))
+        return self.draft_calls[strategy]
 
     def fit(self) -> list[dict]:
         """For each row count run: the mean of the passes run against the model now, and the
@@ -174,6 +181,34 @@ class CostModel:
                 }
             )
         return rows
+
+
+class DraftCalls:
+    """Seconds of a drafting model's calls as a line a + b * steps, fitted to the calls run
+    (weights decaying by FIT_DECAY a call): a call catches up with the tokens verified since
+    the previous one before its first step, which costs it about the same however many steps
+    follow, so one more step costs b, not the mean seconds a step. Starts from `prior`
+    seconds a step and nothing more, two pseudo-calls that the calls run soon outweigh."""
+
+    def __init__(self, prior: float) -> None:
+        self._sums = [0.0] * 5  # w, w*steps, w*steps^2, w*seconds, w*steps*seconds
+        for steps in (1, 2):
+            self.observe(steps, prior * steps)
+
+    def observe(self, steps: int, seconds: float) -> None:
+        self._sums = [FIT_DECAY * total for total in self._sums]
+        for index, value in enumerate((1.0, steps, steps * steps, seconds, steps * seconds)):
+            self._sums[index] += value
+
+    def line(self) -> tuple[float, float]:
+        """(a, b), both >= 0."""
+        w, wx, wxx, wy, wxy = self._sums
+        spread = w * wxx - wx * wx
+        b = (w * wxy - wx * wy) / spread if spread > 0 else 0.0
+        if b <= 0:  # more steps never cost less: what the calls took, all of it per call
+            return wy / w, 0.0
+        a = (wy - b * wx) / w
+        return (a, b) if a >= 0 else (0.0, wxy / wxx)  # through the origin
 
 
 def _prior_shape(rows: float) -> float:
@@ -288,6 +323,7 @@ class PolicyModels:
     costs: CostModel = field(default_factory=CostModel)
     acceptance: AcceptanceModel = field(default_factory=AcceptanceModel)
     records: dict[str, Record] = field(default_factory=dict)
+    probe_every: dict[str, int] = field(default_factory=dict)  # drafting model -> idle steps before a probe
     choices: Counter[tuple[str, int]] = field(default_factory=Counter)
     step_tokens: float = 0.0  # moving averages over all steps: tokens emitted, seconds taken
     step_seconds: float = 0.0
@@ -355,7 +391,7 @@ class AdaptivePolicy:
         self.counterfactual = counterfactual
         self.regime = regime
         self._idle: Counter[str] = Counter()  # drafting model -> steps since it was last run
-        self._probe_every: dict[str, int] = {}  # drafting model -> idle steps before the next probe
+        self._caught_up: set[str] = set()  # drafting models run in this generation
         self._watched: list[tuple[str, list[int], int]] = []  # (strategy, draft, tokens kept so far)
 
     def step_rate(self, lengths: dict[str, int], models: Sequence[str], t_sunk: float) -> float:
@@ -406,18 +442,18 @@ class AdaptivePolicy:
         return strategy if self.regime is None else f"{strategy} ({self.regime})"
 
     def _probing(self, strategy: str) -> bool:
-        return self._idle[strategy] >= self._probe_every.get(strategy, PROBE_EVERY)
+        return self._idle[strategy] >= self.models.probe_every.get(self.source(strategy), PROBE_EVERY)
 
     def stopper(self, strategy: str, rate: float) -> Stopper:
         """The stopping rule of `strategy`'s draft, which runs now. A run that is only a
         probe doubles the wait before the next one (up to MAX_PROBE_EVERY steps): where the
-        model keeps losing, probing it every few steps would cost more than it finds."""
-        if self._probing(strategy) and self.source(strategy) in self.models.records:
-            self._probe_every[strategy] = min(
-                MAX_PROBE_EVERY, 2 * self._probe_every.get(strategy, PROBE_EVERY)
-            )
+        model keeps losing, probing it every few steps would cost more than it finds. The wait
+        is kept across generations, as the records are."""
+        source, waits = self.source(strategy), self.models.probe_every
+        if self._probing(strategy) and source in self.models.records:
+            waits[source] = min(MAX_PROBE_EVERY, 2 * waits.get(source, PROBE_EVERY))
         else:
-            self._probe_every[strategy] = PROBE_EVERY
+            waits[source] = PROBE_EVERY
         self._idle[strategy] = 0
         return Stopper(self.models, strategy, rate, self.source(strategy))
 
@@ -455,7 +491,9 @@ class AdaptivePolicy:
             else:
                 models.acceptance.observe_tree(self.source(strategy), confidences, parents, path)
         if model is not None:
-            models.costs.observe_draft(model, model_steps, t_model)
+            if model in self._caught_up:  # a first call also reads the whole prompt: not a call's cost
+                models.costs.observe_draft(model, model_steps, t_model)
+            self._caught_up.add(model)
             tokens, rows = 1.0 + len(path), len(confidences) + 1  # whoever drafted: what running it gave
             models.records.setdefault(self.source(model), Record()).update(tokens, rows)
 
