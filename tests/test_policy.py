@@ -46,6 +46,12 @@ def plain_rate(models: PolicyModels) -> float:
     return 1 / models.costs.pass_time(1)
 
 
+def best_length(models: PolicyModels, strategy: str, n_tokens: int) -> tuple[int, float]:
+    """The best length of a greedy generation's draft of n_tokens, at plain generation's rate."""
+    policy = AdaptivePolicy(models)
+    return policy.best_length(policy.expected(strategy, n_tokens), 0.0, plain_rate(models))
+
+
 def teach(models: PolicyModels, strategy: str, n_accepted: int, length: int, times: int) -> None:
     for _ in range(times):
         models.acceptance.observe(strategy, [None] * length, n_accepted)
@@ -251,7 +257,7 @@ def test_expected_tokens():
 def test_a_draft_never_accepted_is_not_verified():
     models = PolicyModels(costs=cpu_costs())
     teach(models, "ngram-simple", 0, 8, 50)
-    length, gain = AdaptivePolicy(models).best_length("ngram-simple", 8, 0.0, plain_rate(models))
+    length, gain = best_length(models, "ngram-simple", 8)
     assert length == 0
     assert gain == pytest.approx(0.0)  # a plain step, at plain generation's rate
 
@@ -259,14 +265,14 @@ def test_a_draft_never_accepted_is_not_verified():
 def test_a_draft_always_accepted_is_verified_whole():
     models = PolicyModels(costs=cpu_costs())
     teach(models, "ngram-simple", 16, 16, 50)
-    assert AdaptivePolicy(models).best_length("ngram-simple", 16, 0.0, plain_rate(models))[0] == 16
+    assert best_length(models, "ngram-simple", 16)[0] == 16
 
 
 def test_the_length_stops_where_acceptance_falls():
     models = PolicyModels(costs=cpu_costs())
     teach(models, "ngram-simple", 3, 8, 50)  # always 3 of 8
     # the 4th token, rarely kept, may still be worth its nearly free verify row; never the 8
-    assert AdaptivePolicy(models).best_length("ngram-simple", 8, 0.0, plain_rate(models))[0] in (3, 4)
+    assert best_length(models, "ngram-simple", 8)[0] in (3, 4)
 
 
 def test_the_stopper_drafts_confident_tokens_and_stops_at_doubtful_ones():
@@ -413,7 +419,7 @@ def test_each_sampling_regime_learns_its_own_acceptance():
     for _ in range(30):
         sampled.watch({"ngram-mod": [5, 6]}, [7])  # never kept at temperature 1
     greedy = AdaptivePolicy(models, counterfactual=True)
-    assert sampled.best_length("ngram-mod", 2, 0.0, plain_rate(models))[0] == 0
+    assert sampled.best_length(sampled.expected("ngram-mod", 2), 0.0, plain_rate(models))[0] == 0
     assert models.acceptance.chain(sampled.source("ngram-mod"), [None])[0] < 0.2
     assert models.acceptance.chain(greedy.source("ngram-mod"), [None]) == [0.5]  # greedy: untouched
 

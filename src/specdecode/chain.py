@@ -56,6 +56,7 @@ class Chain:
         self.constraint = constraint
         self.stats = [StrategyStats(s.name) for s in self.strategies]
         self.policy = policy
+        self._steerable = {i for i, s in enumerate(self.strategies) if isinstance(s, Steerable)}
         self._last: int | None = None  # index of the strategy whose draft is being verified
         self._failed: set[int] = set()  # strategies that raised: not called again
         self._step: _Step | None = None  # the adaptive policy's record of this step's drafting
@@ -122,7 +123,7 @@ class Chain:
         for index, strategy in enumerate(self.strategies):
             if index in self._failed:
                 continue
-            if isinstance(strategy, Steerable):
+            if index in self._steerable:
                 models.append(index)
                 continue
             draft = self._ask(index, history, last, n_max).truncated(n_max).simplified()
@@ -131,12 +132,11 @@ class Chain:
                 step.drafts[strategy.name] = draft.tokens
         t_sunk = time.perf_counter() - start
         names = {index: self.strategies[index].name for index in [*free, *models]}
-        rate = policy.step_rate(
-            {names[i]: len(d.tokens) for i, d in free.items()}, [names[i] for i in models], t_sunk
-        )
+        expected = {names[i]: policy.expected(names[i], len(draft.tokens)) for i, draft in free.items()}
+        rate = policy.step_rate(expected, [names[i] for i in models], t_sunk)
         best_gain, best_index, best_draft = policy.plain_gain(t_sunk, rate), -1, Draft()
         for index, draft in free.items():
-            k, gain = policy.best_length(names[index], len(draft.tokens), t_sunk, rate)
+            k, gain = policy.best_length(expected[names[index]], t_sunk, rate)
             if k > 0 and gain > best_gain:
                 best_gain, best_index, best_draft = gain, index, draft.truncated(k)
         if models:

@@ -94,7 +94,8 @@ class CostModel:
         # decayed sums over passes run of w * f f^T and w * f y, f = (1, T, max(0, T - KNOT))
         self._gram = np.zeros((3, 3))
         self._moment = np.zeros(3)
-        self._curve: np.ndarray | None = None  # (a, b, c), refitted after each change
+        self._curve: tuple[float, float, float] | None = None  # (a, b, c), refitted after each change
+        self._times: dict[float, float] = {}  # rows -> pass_time under the current curve
 
     def calibrate(self, backend: Backend, rows: tuple[int, ...] = CALIBRATION_ROWS) -> None:
         """Time passes of each row count after a short context (a few reps, the median), leaving
@@ -125,9 +126,15 @@ class CostModel:
         count_total[1] += seconds
 
     def pass_time(self, rows: float) -> float:
+        """Seconds of a pass of `rows` rows (asked for many lengths every step: remembered
+        until the next refit)."""
         if self._curve is None:
-            self._curve = self._fit()
-        return float(_features(rows) @ self._curve)
+            self._curve = tuple(float(v) for v in self._fit())
+            self._times = {}
+        if rows not in self._times:
+            a, b, c = self._curve
+            self._times[rows] = a + b * rows + c * max(0.0, rows - KNOT)
+        return self._times[rows]
 
     def _fit(self) -> np.ndarray:
         """(a, b, c) of the weighted least-squares fit, b >= 0 and c >= -b (costs never fall
@@ -222,7 +229,10 @@ def _features(rows: float) -> np.ndarray:
 def _solve(gram: np.ndarray, moment: np.ndarray) -> np.ndarray:
     """The least-squares coefficients from the normal equations (a singular system, e.g. one
     row count only, gets its minimum-norm solution)."""
-    return np.linalg.lstsq(gram, moment, rcond=None)[0]
+    try:
+        return np.linalg.solve(gram, moment)
+    except np.linalg.LinAlgError:
+        return np.linalg.lstsq(gram, moment, rcond=None)[0]
 
 
 class AcceptanceModel:
@@ -394,18 +404,22 @@ class AdaptivePolicy:
         self._caught_up: set[str] = set()  # drafting models run in this generation
         self._watched: list[tuple[str, list[int], int]] = []  # (strategy, draft, tokens kept so far)
 
-    def step_rate(self, lengths: dict[str, int], models: Sequence[str], t_sunk: float) -> float:
+    def expected(self, strategy: str, n_tokens: int) -> list[float]:
+        """E_k for k = 0..n_tokens of a model-free draft of n_tokens by `strategy`."""
+        return expected_tokens(self.models.acceptance.chain(self.source(strategy), [None] * n_tokens))
+
+    def step_rate(self, expected: dict[str, list[float]], models: Sequence[str], t_sunk: float) -> float:
         """The tokens per second a second of this step is worth: the rate of the recent steps,
         but no more than the best candidate of this step achieves (a plain step, each
-        model-free draft at its best length, each drafting model's record). Valued at a rate
+        model-free draft at its best length (`expected`: its E_k by strategy), each drafting
+        model's record). Valued at a rate
         no candidate reaches here (the previous text's long copies, say), every candidate
         would look poor and the cheapest would win; but the text is what it is for a while
         yet, and its next tokens must be made at the rates it offers."""
         costs = self.models.costs
         recent = self.models.rate if self.models.rate is not None else 1.0 / costs.pass_time(1)
         best = 1.0 / (t_sunk + costs.pass_time(1))
-        for strategy, n_tokens in lengths.items():
-            values = expected_tokens(self.models.acceptance.chain(self.source(strategy), [None] * n_tokens))
+        for values in expected.values():
             best = max(best, *(e / (t_sunk + costs.pass_time(k + 1)) for k, e in enumerate(values)))
         for strategy in models:
             record = self.models.records.get(self.source(strategy))
@@ -416,12 +430,11 @@ class AdaptivePolicy:
     def plain_gain(self, t_sunk: float, rate: float) -> float:
         return 1.0 - rate * (t_sunk + self.models.costs.pass_time(1))
 
-    def best_length(self, strategy: str, n_tokens: int, t_sunk: float, rate: float) -> tuple[int, float]:
-        """The prefix length of a model-free draft of n_tokens with the best expected gain at
+    def best_length(self, expected: list[float], t_sunk: float, rate: float) -> tuple[int, float]:
+        """The prefix length of a model-free draft whose E_k are `expected` with the best gain at
         `rate`, and that gain (0 tokens: a plain step)."""
-        values = expected_tokens(self.models.acceptance.chain(self.source(strategy), [None] * n_tokens))
         costs = self.models.costs
-        gains = [e - rate * (t_sunk + costs.pass_time(k + 1)) for k, e in enumerate(values)]
+        gains = [e - rate * (t_sunk + costs.pass_time(k + 1)) for k, e in enumerate(expected)]
         best = max(range(len(gains)), key=lambda k: (gains[k], -k))
         return best, gains[best]
 
