@@ -277,10 +277,25 @@ def test_the_length_stops_where_acceptance_falls():
 
 def test_the_stopper_drafts_confident_tokens_and_stops_at_doubtful_ones():
     models = PolicyModels(costs=cpu_costs())
+    for _ in range(30):
+        models.acceptance.observe("draft", [0.95, 0.9, 0.02], 2)  # the doubtful third: rejected
     stopper = Stopper(models, "draft", 1 / 0.012)
     assert stopper(1, 0.95) and stopper(2, 0.9)
     assert not stopper(3, 0.02)
     assert stopper.confidences == [0.95, 0.9]
+
+
+def test_the_stopper_tries_doubtful_tokens_it_knows_nothing_of_and_learns_they_are_kept():
+    """An underconfident draft: its tokens of confidence 0.15 are kept 90% of the time. Untried,
+    the doubt of the first one is not taken at its word; once tried, its record speaks."""
+    models = PolicyModels(costs=cpu_costs())
+    rate = 1 / 0.008
+    assert Stopper(models, "draft", rate)(1, 0.15)  # optimism about a cell without outcomes
+    for kept in [True] * 9 + [False]:
+        models.acceptance.observe("draft", [0.15], 1 if kept else 0)
+    assert models.acceptance.model_prior("draft", 0.15) > 0.6  # the bucket over all depths learnt
+    stopper = Stopper(models, "draft", rate)
+    assert stopper(1, 0.15) and stopper(2, 0.15)  # depth 2, never seen, starts from the bucket
 
 
 def test_the_stopper_stops_when_draft_steps_cost_more_than_they_bring():
@@ -453,6 +468,8 @@ def test_tree_nodes_are_worth_their_row_while_likely_enough():
     first = rule.node(1.0, 1, 0.9, 0)
     assert first == pytest.approx(0.9)  # before any outcome: its confidence
     assert rule.node(first, 2, 0.9, 1) == pytest.approx(0.81)
+    for _ in range(30):
+        models.acceptance.observe("draft", [0.01], 0)  # such doubtful candidates are rejected
     assert rule.node(1.0, 1, 0.01, 0) is None
     assert rule.node(0.02, 2, 0.9, 5) is None  # a likely child of an unlikely parent
     assert rule.confidences == []  # tree nodes are not a chain's tokens
@@ -462,7 +479,7 @@ def test_a_verified_tree_counts_the_children_of_kept_nodes():
     acceptance = AcceptanceModel()
     # the root's children 0 (0.9) and 1 (0.05); node 0's children 2 (0.8) and 3 (0.15); node 1's 4
     acceptance.observe_tree("draft", [0.9, 0.05, 0.8, 0.15, 0.9], [-1, -1, 0, 0, 1], [0, 3])
-    cells = {(depth, bucket): counts for (_, depth, bucket), counts in acceptance.cells.items()}
+    cells = {(depth, bucket): counts for (_, depth, bucket), counts in acceptance.cells.items() if depth}
     assert cells == {(1, 9): [1, 0], (1, 0): [0, 1], (2, 8): [0, 1], (2, 1): [1, 0]}  # node 4 unseen
 
 

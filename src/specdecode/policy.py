@@ -40,6 +40,7 @@ changes speed only.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -66,6 +67,7 @@ KNOT = 17  # rows where the pass cost's second slope starts (the longest pass ti
 PRIOR_WEIGHT = 4.0  # pseudo-observations behind the prior of an acceptance estimate
 PRIOR_FREE = 0.5  # depth-1 prior of a model-free strategy, which reports no confidence
 DECAY = 0.98  # a cell's counts shrink by this at each update: recent text weighs more
+EXPLORE = 0.2  # optimism of a model draft's decision about a cell with no outcomes yet
 PROBE_EVERY = 8  # a drafting model left unused this many steps is run again
 MAX_PROBE_EVERY = 64  # ... a wait that doubles with each probe that does not win it back
 
@@ -239,8 +241,9 @@ class AcceptanceModel:
     """P(a draft token is kept | its parent was), per (strategy, depth, confidence bucket).
 
     Counts are [kept, rejected] pseudo-observations; an estimate mixes them with a prior worth
-    PRIOR_WEIGHT of them: a model draft's own confidence (it is calibrated: a confidence of c is
-    kept about c of the time), or for model-free drafts the estimate one depth up."""
+    PRIOR_WEIGHT of them: for a model draft, its confidence bucket's estimate over all depths
+    (`model_prior`), itself starting from the confidence (a confidence of c is kept about c of
+    the time if the draft is calibrated); for model-free drafts, the estimate one depth up."""
 
     def __init__(self) -> None:
         self.cells: dict[tuple[str, int, int], list[float]] = {}
@@ -248,6 +251,15 @@ class AcceptanceModel:
     def estimate(self, strategy: str, depth: int, confidence: float | None, prior: float) -> float:
         kept, rejected = self.cells.get(_cell(strategy, depth, confidence), (0.0, 0.0))
         return (kept + PRIOR_WEIGHT * prior) / (kept + rejected + PRIOR_WEIGHT)
+
+    def model_prior(self, strategy: str, confidence: float) -> float:
+        """What a model draft's token of this confidence is worth at any depth: its bucket's
+        estimate over all depths, which deep cells (seldom reached) start from."""
+        return self.estimate(strategy, 0, confidence, confidence)
+
+    def seen(self, strategy: str, depth: int, confidence: float | None) -> float:
+        """How many (decayed) outcomes the estimate of this cell rests on."""
+        return sum(self.cells.get(_cell(strategy, depth, confidence), (0.0, 0.0)))
 
     def chain(self, strategy: str, confidences: list[float | None]) -> list[float]:
         """The estimate at each depth of a chain whose tokens had these confidences (None: a
@@ -276,10 +288,12 @@ class AcceptanceModel:
                 self._count(strategy, depths[node], confidences[node], node in kept)
 
     def _count(self, strategy: str, depth: int, confidence: float | None, kept: bool) -> None:
-        cell = self.cells.setdefault(_cell(strategy, depth, confidence), [0.0, 0.0])
-        cell[0] *= DECAY
-        cell[1] *= DECAY
-        cell[0 if kept else 1] += 1.0
+        pooled = () if confidence is None else (0,)  # depth 0: a model bucket over all depths
+        for cell_depth in (depth, *pooled):
+            cell = self.cells.setdefault(_cell(strategy, cell_depth, confidence), [0.0, 0.0])
+            cell[0] *= DECAY
+            cell[1] *= DECAY
+            cell[0 if kept else 1] += 1.0
 
 
 def _cell(strategy: str, depth: int, confidence: float | None) -> tuple[str, int, int]:
@@ -375,10 +389,17 @@ class Stopper:
         return True
 
     def node(self, parent_reach: float, depth: int, confidence: float, nodes: int) -> float | None:
-        reach = parent_reach * self.models.acceptance.estimate(self.source, depth, confidence, confidence)
+        """The node's reach, decided on with an optimism that fades as its cell's outcomes
+        accumulate: a cell whose tokens are never drafted would never learn that they are
+        kept more often than their confidence says (small drafts are underconfident)."""
+        acceptance = self.models.acceptance
+        a = acceptance.estimate(
+            self.source, depth, confidence, acceptance.model_prior(self.source, confidence)
+        )
+        bonus = EXPLORE / math.sqrt(1.0 + acceptance.seen(self.source, depth, confidence))
         costs = self.models.costs
         seconds = costs.step_time(self.strategy) + costs.pass_time(nodes + 2) - costs.pass_time(nodes + 1)
-        return reach if reach > self.rate * seconds else None
+        return parent_reach * a if parent_reach * min(1.0, a + bonus) > self.rate * seconds else None
 
 
 class AdaptivePolicy:
