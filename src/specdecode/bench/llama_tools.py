@@ -18,6 +18,11 @@ on each side, greedy, one thread, from a cold start:
 
 Both sides get the same settings (llama.cpp's classic defaults, which are ours: draft n_max 16,
 p_min 0.75; ngram-mod 24/48/64; ngram-simple 12/48; the n-gram cache drafts 8) and stop at EOS.
+llama.cpp's examples go past -n: by one token, and by a whole accepted draft where the last
+one is not cut to the budget (ngram-mod's drafts of up to 64 tokens: -n 128 can give 193). Our
+run of a system is therefore given as many tokens as llama.cpp's run of it produced, so that
+both rates cover the same tokens (our speculative output is compared with our plain output
+over their common length).
 The table gives tokens/s summed over the prompts (tokens / seconds) with the median over rounds,
 each side's speculative speed-up over its own plain loop, whether our speculative tokens equal
 our plain tokens, and whether llama.cpp's text equals ours (information: its kernels run the
@@ -130,15 +135,22 @@ class Results:
         return statistics.median(t.rate for t in self.rounds[(system, side)])
 
 
-def run_tool(tools: Path, program: str, arguments: list[str]) -> str:
-    """Run one of llama.cpp's programs; its stdout and stderr together."""
+def run_tool(tools: Path, program: str, arguments: list[str], wanted: re.Pattern) -> tuple[str, re.Match]:
+    """Run one of llama.cpp's programs: its stdout and stderr together, and the first match of
+    `wanted` in them. llama.cpp logs from a thread of its own and can exit before its last
+    lines are written (its log.cpp says so), so a run without them is repeated, twice at most."""
     path = tools / program
     if not path.exists():
         raise SpecdecodeError(f"{path} is missing: build llama.cpp's programs with `make llama-tools`")
-    done = subprocess.run([str(path), *arguments], capture_output=True, text=True, errors="replace")
-    if done.returncode != 0:
-        raise SpecdecodeError(f"{program} failed ({done.returncode}): {done.stderr[-800:]}")
-    return done.stdout + "\n" + done.stderr
+    for _ in range(3):
+        done = subprocess.run([str(path), *arguments], capture_output=True, text=True, errors="replace")
+        if done.returncode != 0:
+            raise SpecdecodeError(f"{program} failed ({done.returncode}): {done.stderr[-800:]}")
+        output = done.stdout + "\n" + done.stderr
+        found = wanted.search(output)
+        if found is not None:
+            return output, found
+    raise SpecdecodeError(f"{program} printed no line matching {wanted.pattern!r}: {output[-800:]}")
 
 
 def generated_text(stdout: str, prompt: str) -> str:
@@ -176,6 +188,17 @@ def measure_pair(
                 common += ["--temp", "0", "--seed", "1"]
                 plain_tokens = None
                 for system in systems:
+                    arguments = [a.replace("{draft}", str(draft_path)) for a in system.arguments]
+                    output, decoded = run_tool(tools, system.program, common + arguments, DECODED)
+                    drafted, accepted = DRAFTED.search(output), ACCEPTED.search(output)
+                    results.tally(system.name, "llama.cpp", round_).add(
+                        int(decoded[1]),
+                        float(decoded[2]),
+                        int(drafted[1]) if drafted else 0,
+                        int(accepted[1]) if accepted else 0,
+                    )
+                    # As many tokens as llama.cpp's run gave (see the module's docstring).
+                    length = max(n_predict, int(decoded[1]))
                     for backend in (target, draft):
                         backend.truncate(0)
                     pipeline = Pipeline(
@@ -184,38 +207,24 @@ def measure_pair(
                         spec_types=list(system.spec_types),
                         draft_config=DRAFT,
                     )
-                    run = pipeline.generate(
-                        prompt, SamplingParams(temperature=0), GenerationConfig(n_predict)
-                    )
+                    run = pipeline.generate(prompt, SamplingParams(temperature=0), GenerationConfig(length))
                     stats = run.stats
                     results.tally(system.name, "ours", round_).add(
                         stats.n_generated, stats.t_generation, stats.totals.n_drafted, stats.totals.n_accepted
                     )
-                    if plain_tokens is None:
-                        plain_tokens = run.tokens
-                    results.same_as_plain.setdefault(system.name, []).append(run.tokens == plain_tokens)
-                    arguments = [a.replace("{draft}", str(draft_path)) for a in system.arguments]
-                    output = run_tool(tools, system.program, common + arguments)
-                    decoded = DECODED.search(output)
-                    if decoded is None:
-                        raise SpecdecodeError(f"{system.program} printed no `decoded ... tokens` line")
-                    drafted, accepted = DRAFTED.search(output), ACCEPTED.search(output)
-                    results.tally(system.name, "llama.cpp", round_).add(
-                        int(decoded[1]),
-                        float(decoded[2]),
-                        int(drafted[1]) if drafted else 0,
-                        int(accepted[1]) if accepted else 0,
-                    )
+                    plain_tokens = plain_tokens if plain_tokens is not None else run.tokens
+                    same = run.tokens[: len(plain_tokens)] == plain_tokens[: len(run.tokens)]
+                    results.same_as_plain.setdefault(system.name, []).append(same)
                     results.same_text.setdefault(system.name, []).append(
                         same_text(run.text, generated_text(output, prompt))
                     )
                 if (tools / COMPLETION).exists():
-                    output = run_tool(tools, COMPLETION, [*common, "-no-cnv", "--no-warmup"])
-                    evaluated, sampling = EVAL.search(output), SAMPLING.search(output)
-                    if evaluated is not None and sampling is not None:
-                        results.tally("plain", "llama-completion", round_).add(
-                            int(evaluated[2]), (float(evaluated[1]) + float(sampling[1])) / 1e3
-                        )
+                    output, evaluated = run_tool(tools, COMPLETION, [*common, "-no-cnv", "--no-warmup"], EVAL)
+                    sampling = SAMPLING.search(output)
+                    sampling_ms = float(sampling[1]) if sampling is not None else 0.0
+                    results.tally("plain", "llama-completion", round_).add(
+                        int(evaluated[2]), (float(evaluated[1]) + sampling_ms) / 1e3
+                    )
     return results, target.invariant
 
 
