@@ -201,12 +201,13 @@ class LlamaCppBackend:
         """What a speculative run on this model should be told when its rows are not invariant."""
         if self.invariant:
             return None
-        probe = self.model.probe
+        probe, agreed = self.model.probe, self.model.invariant_rows
         return (
             f"llama.cpp rounds {probe.rows - probe.identical} of {probe.rows} probed rows of {self.name} "
-            f"differently in passes of more than {self.model.invariant_rows} rows than alone: greedy "
-            "speculative output equals plain output up to near-ties only (bit for bit: a Q8_0 file, "
-            "--backend native, or llama.cpp's row-invariant build, see the README)"
+            "differently in multi-row passes than alone"
+            + (f" (passes of up to {agreed} rows agreed)" if agreed else "")
+            + ": greedy speculative output equals plain output up to near-ties only (bit for bit: a "
+            "Q8_0 file, --backend native, or llama.cpp's row-invariant build, see the README)"
         )
 
     def probe_invariance(self) -> RowAgreement:
@@ -229,10 +230,10 @@ class LlamaCppBackend:
         agreement, start, self.model.invariant_rows = RowAgreement(0, 0, 0), context, 0
         for k in PROBE_PASSES:
             probe.truncate(start)
-            rows = RowAgreement.of(probe.evaluate(ids[start : start + k]), alone[start - context :][:k])
-            if rows.invariant and agreement.invariant:
+            this_pass = RowAgreement.of(probe.evaluate(ids[start : start + k]), alone[start - context :][:k])
+            if this_pass.invariant and agreement.invariant:
                 self.model.invariant_rows = k
-            agreement += rows
+            agreement += this_pass
             start += k
         return agreement
 
