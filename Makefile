@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 DEMO_PROMPT := import os\n\n\ndef read_lines(path):
 
-.PHONY: setup demo test lint clean
+.PHONY: setup demo test lint clean llama-tools llama-invariant
 
 setup: $(VENV)/.installed
 
@@ -30,6 +30,41 @@ $(VENV)/.installed: pyproject.toml
 demo: setup
 	$(BIN)/specdecode generate --temp 0 -n 128 -p "$$(printf '$(DEMO_PROMPT)')"
 	$(BIN)/specdecode bench --quick --out build/bench-quick
+
+# Optional, for the llama.cpp comparisons (see the README); no test needs them. Both build from
+# the llama-cpp-python source release of the installed version, so from the very llama.cpp the
+# backend runs, with the same portable flags, into build/llama-tools:
+#   llama-tools      llama.cpp's own programs (speculative-simple, lookup, completion, bench),
+#                    for python -m specdecode.bench.llama_tools
+#   llama-invariant  its libraries without the batched GEMM paths (llamafile's sgemm, repacked
+#                    layouts), whose rows are bit-identical in every pass: run with
+#                    LLAMA_CPP_LIB_PATH=build/llama-tools/invariant/bin
+LLAMA_TOOLS := build/llama-tools
+LLAMA_TOOLS_TARGETS := llama-speculative-simple llama-lookup llama-completion llama-bench
+LLAMA_TOOLS_CMAKE := -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF -DLLAMA_BUILD_TESTS=OFF \
+	-DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_OPENSSL=OFF
+LLAMA_INVARIANT_CMAKE := -DGGML_LLAMAFILE=OFF -DGGML_CPU_REPACK=OFF
+
+# The source release, fetched once; prints the path of its llama.cpp.
+LLAMA_CPP_SOURCE = version=$$($(BIN)/python -c \
+		'import importlib.metadata as m; print(m.version("llama-cpp-python"))') && \
+	release=$(LLAMA_TOOLS)/src/llama_cpp_python-$$version && \
+	if [ ! -d $$release ]; then \
+		$(BIN)/pip download -q --no-binary :all: --no-deps "llama-cpp-python==$$version" \
+			-d $(LLAMA_TOOLS)/src && tar xzf $$release.tar.gz -C $(LLAMA_TOOLS)/src; \
+	fi && source=$$release/vendor/llama.cpp
+
+llama-tools: setup
+	$(LLAMA_CPP_SOURCE) && \
+	cmake -S $$source -B $(LLAMA_TOOLS)/cmake $(LLAMA_TOOLS_CMAKE) -DLLAMA_BUILD_COMMON=ON \
+		-DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_TOOLS=ON && \
+	cmake --build $(LLAMA_TOOLS)/cmake -j2 --target $(LLAMA_TOOLS_TARGETS)
+
+llama-invariant: setup
+	$(LLAMA_CPP_SOURCE) && \
+	cmake -S $$source -B $(LLAMA_TOOLS)/invariant $(LLAMA_TOOLS_CMAKE) $(LLAMA_INVARIANT_CMAKE) \
+		-DLLAMA_BUILD_COMMON=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF && \
+	cmake --build $(LLAMA_TOOLS)/invariant -j2 --target llama
 
 lint: setup
 	$(BIN)/ruff check src tests

@@ -5,6 +5,11 @@
   their paths, committed paths equal to a linear evaluation of them.
 - Exactness on the same backend: speculative output equals plain output (greedy and seeded
   `match`) for a draft model's chain and tree and for an n-gram pool.
+- Row-invariance: the probe's verdict agrees with a direct comparison of multi-row and
+  one-row passes (f32 and Q8_0 files, which differ in the default build), leaves the cache
+  alone, and the CLI warns when speculation runs over rows that are not invariant.
+- Every strategy that runs here (and the adaptive policy), greedy, on every GGUF type whose
+  rows the probe finds invariant in this build: speculative output equals plain output.
 - The commands pick it for GGUF files (`auto`) or when asked; bad input exits with 2.
 """
 
@@ -21,7 +26,7 @@ from specdecode.backends.llama_cpp import MAX_SEQUENCES, LlamaCppBackend
 from specdecode.backends.load import load_backend
 from specdecode.cli import main
 from specdecode.errors import SpecdecodeError
-from specdecode.strategies import NgramModConfig, NgramSettings
+from specdecode.strategies import NgramMapConfig, NgramModConfig, NgramSettings
 from specdecode.strategies.base import path_to
 
 llama_cpp = pytest.importorskip("llama_cpp")
@@ -146,6 +151,132 @@ def test_speculation_on_llama_cpp_equals_plain(gguf_files, exactness_log, name, 
     mode = "greedy" if temperature == 0 else "match"
     exactness_log.record(
         f"gguf-llama.cpp/{name}-{mode}", name, result.stats, result.stats.stop_reason, fmt[1:] or "f32"
+    )
+
+
+@pytest.fixture(scope="module")
+def all_types(gguf_files, tmp_path_factory) -> dict[str, object]:
+    """The test pair in every GGUF type the export writes for llama.cpp, by file name."""
+    from specdecode.backends.gguf_files import export_gguf
+
+    root = tmp_path_factory.mktemp("gguf-types")
+    files = dict(gguf_files)
+    for role in ("target", "draft"):
+        for fmt in ("bf16", "q4_k"):
+            files[f"{role}-{fmt}.gguf"] = export_gguf(gguf_files[role], root / f"{role}-{fmt}.gguf", fmt)
+    return files
+
+
+def passes_agree(ours: LlamaCppBackend, ids: list[int], sizes: tuple[int, ...]) -> bool:
+    """Whether passes of each size over `ids` (after its first token) give every row the bits
+    of one-row passes: the direct comparison the probe stands in for."""
+    ours.truncate(0)
+    ours.evaluate(ids[:1])
+    alone = torch.cat([ours.evaluate([token]) for token in ids[1:]])
+    agree, start = True, 1
+    for k in sizes:
+        ours.truncate(start)
+        agree &= torch.equal(ours.evaluate(ids[start : start + k]), alone[start - 1 : start - 1 + k])
+        start += k
+    ours.truncate(0)
+    return agree
+
+
+@pytest.mark.parametrize("fmt", ["", "-q8_0"])
+def test_the_invariance_probe_agrees_with_a_direct_comparison(gguf_files, fmt):
+    ours = backend(gguf_files, fmt=fmt)
+    expected = ours.evaluate(PROMPT)
+    verdict = ours.invariant
+    assert ours.tokens == PROMPT  # the probe ran in a context of its own
+    unprobed = backend(gguf_files, fmt=fmt)
+    assert torch.equal(unprobed.evaluate(PROMPT), expected)
+    assert torch.equal(ours.evaluate([7]), unprobed.evaluate([7]))
+    probe = ours.model.probe
+    assert probe.rows > 0 and probe.same_argmax == probe.rows
+    assert verdict == (probe.identical == probe.rows)
+    # Other text, other pass sizes, the same verdict.
+    text = ours.tokenize(TEXT * 2)
+    assert passes_agree(backend(gguf_files, fmt=fmt), text, (2, 3, 6, 8, 12)) == verdict
+
+
+def test_the_invariance_verdicts_of_this_build_differ_by_type(gguf_files):
+    """Q8_0 quantizes each activation row alone: invariant in any build. f32 goes through
+    llamafile's sgemm for multi-row passes unless llama.cpp was built without it: the probe
+    says which, and the two verdicts show it can answer both ways."""
+    assert backend(gguf_files, fmt="-q8_0").invariant
+    f32 = backend(gguf_files)
+    llamafile = "LLAMAFILE = 1" in llama_cpp.llama_print_system_info().decode()
+    assert f32.invariant == (not llamafile)
+    if not f32.invariant:
+        assert "differently in multi-row passes than alone" in f32.row_variance_warning()
+
+
+def test_the_cli_warns_when_speculation_runs_on_rows_that_vary(gguf_files, capsys):
+    invariant = backend(gguf_files).invariant
+    args = ["generate", "-m", str(gguf_files["target.gguf"]), "-md", str(gguf_files["draft.gguf"]), "-t", "1"]
+    assert main([*args, "--temp", "0", "-n", "4", "-p", "def wrap(", "-nr"]) == 0
+    assert ("warning: llama.cpp rounds" in capsys.readouterr().err) == (not invariant)
+    assert main([*args, "--spec-type", "none", "--temp", "0", "-n", "4", "-p", "def wrap("]) == 0
+    assert "warning" not in capsys.readouterr().err  # plain generation: nothing to warn about
+
+
+def test_no_repack_keeps_the_files_layout(gguf_files):
+    ours = load_backend(
+        gguf_files["target-q8_0.gguf"], LoadOptions(backend="llama.cpp", threads=1, repack=False)
+    )
+    assert not ours.model.repack
+    assert torch.equal(ours.evaluate(PROMPT), backend(gguf_files, fmt="-q8_0").evaluate(PROMPT))
+
+
+SMALL_NGRAMS = NgramSettings(  # keys of one token: these models' text seldom repeats longer ones
+    simple=NgramMapConfig(size_n=1, size_m=4),
+    map_k=NgramMapConfig(size_n=1, size_m=4),
+    map_k4v=NgramMapConfig(size_n=1, size_m=4),
+    mod=NgramModConfig(1, 1, 8),
+)
+EVERY_STRATEGY = {
+    "ngram-simple": (["ngram-simple"], DraftModelConfig(), "classic"),
+    "ngram-map-k": (["ngram-map-k"], DraftModelConfig(), "classic"),
+    "ngram-map-k4v": (["ngram-map-k4v"], DraftModelConfig(), "classic"),
+    "ngram-mod": (["ngram-mod"], DraftModelConfig(), "classic"),
+    "ngram-cache": (["ngram-cache"], DraftModelConfig(), "classic"),
+    "draft": (["draft"], DraftModelConfig(p_min=0.0), "classic"),
+    "draft-tree": (["draft"], DraftModelConfig(n_max=6, p_min=0.0, p_split=0.05, n_parallel=3), "classic"),
+    "ngram-simple,draft": (["ngram-simple", "draft"], DraftModelConfig(p_min=0.0), "classic"),
+    "draft@adaptive": (["draft"], DraftModelConfig(), "adaptive"),
+}
+
+
+@pytest.mark.parametrize("fmt", ["", "-bf16", "-q8_0", "-q4_k"])
+@pytest.mark.parametrize("name", EVERY_STRATEGY)
+def test_every_strategy_equals_plain_where_the_rows_are_invariant(all_types, exactness_log, name, fmt):
+    target = backend(all_types, fmt=fmt)
+    if not target.invariant:
+        pytest.skip(f"target{fmt or '-f32'}: rows not invariant in this llama.cpp build (see the probe)")
+    spec_types, draft_config, policy = EVERY_STRATEGY[name]
+    sampling, config = SamplingParams(temperature=0), GenerationConfig(n_predict=40, ignore_eos=True)
+    # The prompt, its continuation and the prompt again: n-grams that recur for the strategies.
+    plain = Pipeline(target, spec_types=[])
+    prompt = [*PROMPT, *plain.generate(PROMPT, sampling, config).tokens[:24], *PROMPT]
+    expected = plain.generate(prompt, sampling, config)
+    draft = backend(all_types, "draft", fmt) if "draft" in spec_types else None
+    pipeline = Pipeline(
+        target,
+        draft,
+        spec_types=spec_types,
+        draft_config=draft_config,
+        ngram=SMALL_NGRAMS,
+        spec_policy=policy,
+    )
+    result = pipeline.generate(prompt, sampling, config)
+    assert result.tokens == expected.tokens
+    assert result.stats.totals.n_drafted > 0
+    exactness_log.record(
+        f"gguf-llama.cpp/invariant-{name}-greedy",
+        name,
+        result.stats,
+        result.stats.stop_reason,
+        fmt[1:] or "f32",
     )
 
 

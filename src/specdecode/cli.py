@@ -16,6 +16,7 @@ from transformers.utils import logging as hf_logging
 
 from specdecode.api import Pipeline
 from specdecode.backends.hf import DTYPES, LoadOptions
+from specdecode.backends.llama_cpp import LlamaCppBackend
 from specdecode.backends.load import BACKENDS
 from specdecode.bench import command as bench_command
 from specdecode.bench import constrained as bench_constrained
@@ -122,6 +123,12 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
         help="llama.cpp: layers on the GPU (default: all with --device cuda)",
     )
     group.add_argument("-ngld", "--gpu-layers-draft", type=int, help="llama.cpp: draft layers on the GPU")
+    group.add_argument(
+        "-nr",
+        "--no-repack",
+        action="store_true",
+        help="llama.cpp: keep the weights in the file's layout, not repacked for its batched CPU kernels",
+    )
     group.add_argument("-t", "--threads", type=int, help="CPU threads for the target")
     group.add_argument("-td", "--threads-draft", type=int, help="CPU threads for the draft (default: -t)")
 
@@ -300,6 +307,7 @@ def load_options(args: argparse.Namespace) -> tuple[LoadOptions, LoadOptions]:
         args.batch_size,
         backend=args.backend,
         gpu_layers=args.gpu_layers,
+        repack=not args.no_repack,
     )
     draft = LoadOptions(
         args.device_draft or args.device,
@@ -309,6 +317,7 @@ def load_options(args: argparse.Namespace) -> tuple[LoadOptions, LoadOptions]:
         args.batch_size,
         backend=args.backend,
         gpu_layers=args.gpu_layers_draft if args.gpu_layers_draft is not None else args.gpu_layers,
+        repack=not args.no_repack,
     )
     return target, draft
 
@@ -337,6 +346,10 @@ def pipeline_from_args(args: argparse.Namespace) -> Pipeline:
     )
     if pipeline.eagle3 is not None:
         print(f"note: {pipeline.eagle3.layer_note}", file=sys.stderr)
+    if pipeline.spec_types and isinstance(pipeline.target, LlamaCppBackend):
+        warning = pipeline.target.row_variance_warning()
+        if warning is not None:
+            print(f"warning: {warning}", file=sys.stderr)
     return pipeline
 
 

@@ -46,6 +46,7 @@ class LoadOptions:
     n_batch: int = 512
     backend: str = "auto"  # "auto": native for the model types it runs, else "hf" (see load_backend)
     gpu_layers: int | None = None  # llama.cpp: layers offloaded to the GPU (None: all on a GPU device)
+    repack: bool = True  # llama.cpp: repacked (interleaved) CPU weight layouts, its --no-repack
 
     def __post_init__(self) -> None:
         if self.n_ctx < 0:

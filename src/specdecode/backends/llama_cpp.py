@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -38,6 +39,19 @@ except ImportError:  # the optional extra
 INSTALL_HINT = "pip install 'specdecode[llama-cpp]'"
 VOCAB_KINDS = {1: "spm", 2: "bpe", 3: "wpm", 4: "ugm"}
 MAX_SEQUENCES = 64  # the committed sequence and up to 63 pending tree nodes
+# The row-invariance probe: after PROBE_CONTEXT tokens of this text, one pass of each row count
+# in PROBE_PASSES (verify passes of drafts up to 16 long; kernels switch paths at multiples of
+# 2, 4 and 8 rows), each over the next tokens, against the same rows one at a time.
+PROBE_TEXT = (
+    "import os\n\n\ndef read_lines(path, encoding='utf-8'):\n"
+    '    """Return the lines of a text file, without their line ends."""\n'
+    "    with open(path, encoding=encoding) as handle:\n"
+    "        return [line.rstrip('\\n') for line in handle]\n\n\n"
+    "def count_words(lines):\n    total = 0\n    for line in lines:\n"
+    "        total += len(line.split())\n    return total\n"
+)
+PROBE_CONTEXT = 8
+PROBE_PASSES = (2, 3, 4, 5, 7, 8, 9, 16, 17)
 _quiet_log = None  # the logging callback, kept alive while llama.cpp may call it
 
 
@@ -69,21 +83,55 @@ def quantize(source: Path, out: Path, fmt: str) -> None:
         raise SpecdecodeError(f"llama.cpp could not quantize {source} to {fmt}")
 
 
-class LlamaModel:
-    """A loaded GGUF model (weights and vocabulary), shared by the contexts forked from it."""
+@dataclass(frozen=True)
+class RowAgreement:
+    """How the rows of multi-row passes compare with the same rows scored one at a time."""
 
-    def __init__(self, path: Path, gpu_layers: int) -> None:
+    rows: int
+    identical: int  # rows whose logits are bit-identical
+    same_argmax: int  # rows with the same greedy choice
+
+    @property
+    def invariant(self) -> bool:
+        return self.identical == self.rows
+
+    def __add__(self, other: RowAgreement) -> RowAgreement:
+        return RowAgreement(
+            self.rows + other.rows, self.identical + other.identical, self.same_argmax + other.same_argmax
+        )
+
+    @classmethod
+    def of(cls, together: torch.Tensor, alone: torch.Tensor) -> RowAgreement:
+        return cls(
+            len(together),
+            int((together == alone).all(-1).sum()),
+            int((together.argmax(-1) == alone.argmax(-1)).sum()),
+        )
+
+
+class LlamaModel:
+    """A loaded GGUF model (weights and vocabulary), shared by the contexts forked from it.
+
+    repack: whether llama.cpp may repack weights into its interleaved CPU layouts (its
+    `use_extra_bufts`, llama.cpp's `--repack`/`--no-repack`). Those layouts have their own
+    batched kernels, which round a row differently from the one-row path."""
+
+    def __init__(self, path: Path, gpu_layers: int, repack: bool = True) -> None:
         _require()
         silence_logs()
         llama_cpp.llama_backend_init()
         params = llama_cpp.llama_model_default_params()
         params.n_gpu_layers = gpu_layers
+        params.use_extra_bufts = repack
+        self.repack = repack
         self.pointer = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
         if not self.pointer:
             raise SpecdecodeError(f"llama.cpp cannot load {path} (not a model file it knows)")
         self.vocab = llama_cpp.llama_model_get_vocab(self.pointer)
         self.path = path
         self._tokenizer = None
+        self.probe: RowAgreement | None = None  # see LlamaCppBackend.invariant
+        self.invariant_rows = 0  # the probed passes of up to this many rows were all bit-identical
 
     @property
     def tokenizer(self) -> PreTrainedTokenizerBase:
@@ -139,6 +187,56 @@ class LlamaCppBackend:
         self._texts: list[str] | None = None
         self.vocab = self._vocab_info()
 
+    @property
+    def invariant(self) -> bool:
+        """Whether llama.cpp gives a row the same bits in a pass of several rows as alone, as
+        far as the probe saw (see `probe_invariance`, run once per loaded model on first use):
+        what makes speculative output equal plain output bit for bit rather than up to a
+        near-tie. Only the target's rows decide the output."""
+        if self.model.probe is None:
+            self.model.probe = self.probe_invariance()
+        return self.model.probe.invariant
+
+    def row_variance_warning(self) -> str | None:
+        """What a speculative run on this model should be told when its rows are not invariant."""
+        if self.invariant:
+            return None
+        probe, agreed = self.model.probe, self.model.invariant_rows
+        return (
+            f"llama.cpp rounds {probe.rows - probe.identical} of {probe.rows} probed rows of {self.name} "
+            "differently in multi-row passes than alone"
+            + (f" (passes of up to {agreed} rows agreed)" if agreed else "")
+            + ": greedy speculative output equals plain output up to near-ties only (bit for bit: a "
+            "Q8_0 file, --backend native, or llama.cpp's row-invariant build, see the README)"
+        )
+
+    def probe_invariance(self) -> RowAgreement:
+        """Passes of the row counts in PROBE_PASSES, each over the next positions of a greedy
+        continuation, against the rows plain generation scored for it one at a time, bit for
+        bit. Which kernel llama.cpp runs depends on the build, the weight types, the repacking
+        and the row count, and some round differently only for some inputs: hence new rows for
+        every pass, from the model's own text. In a context of its own: this backend's cache is
+        untouched."""
+        ids = self.tokenize(PROBE_TEXT)[:PROBE_CONTEXT]
+        context, needed = len(ids), len(ids) + sum(PROBE_PASSES)
+        probe = type(self)(
+            self.model, n_ctx=needed, n_batch=self.n_batch, threads=self.threads, name=self.name
+        )
+        rows = [probe.evaluate(ids)[-1]]
+        while len(ids) < needed:
+            ids.append(int(rows[-1].argmax()))
+            rows.append(probe.evaluate(ids[-1:])[-1])
+        alone = torch.stack(rows[1:])  # position context + i
+        agreement, start, self.model.invariant_rows = RowAgreement(0, 0, 0), context, 0
+        for k in PROBE_PASSES:
+            probe.truncate(start)
+            this_pass = RowAgreement.of(probe.evaluate(ids[start : start + k]), alone[start - context :][:k])
+            if this_pass.invariant and agreement.invariant:
+                self.model.invariant_rows = k
+            agreement += this_pass
+            start += k
+        return agreement
+
     @classmethod
     def load(cls, path: str | Path, options: LoadOptions) -> LlamaCppBackend:
         """Load a GGUF file with the LoadOptions the other backends take (dtype is the file's)."""
@@ -157,7 +255,7 @@ class LlamaCppBackend:
         if gpu_layers and not llama_cpp.llama_supports_gpu_offload():
             raise SpecdecodeError("GPU layers (-ngl) asked for, but this llama.cpp build has no GPU")
         return cls(
-            LlamaModel(path, gpu_layers),
+            LlamaModel(path, gpu_layers, options.repack),
             n_ctx=options.n_ctx,
             n_batch=options.n_batch,
             threads=options.threads,

@@ -289,4 +289,5 @@ def _machine(target: HFBackend) -> dict:
         "processor": platform.processor() or platform.machine(),
         "threads": torch.get_num_threads(),
         "device": str(target.device),
+        "row_invariant": getattr(target, "invariant", None),  # native: by its plans; llama.cpp: probed
     }

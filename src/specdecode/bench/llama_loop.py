@@ -8,7 +8,13 @@
    generation loop (`Pipeline` with no strategy: sampler, stop checks, stats). The ratios are
    the overhead of each layer per token.
 2. Row agreement: the logits of k-row passes (a verify pass's shape) against the same rows
-   scored one at a time, over the generated text: exact-equality and argmax-agreement rates.
+   scored one at a time, over the generated text, for each k in -k: exact-equality and
+   argmax-agreement rates; and what the backend's own probe found.
+3. Pass costs: a pass of T rows (T in --pass-rows) after the prompt and the generated text,
+   median of 15, as a multiple of the one-row pass.
+
+Run it with LLAMA_CPP_LIB_PATH=build/llama-tools/invariant/bin to measure llama.cpp's
+row-invariant build (`make llama-invariant`) instead of the installed one.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import torch
 
 from specdecode import GenerationConfig, Pipeline, SamplingParams
 from specdecode.backends.hf import LoadOptions
-from specdecode.backends.llama_cpp import LlamaCppBackend, llama_cpp
+from specdecode.backends.llama_cpp import LlamaCppBackend, RowAgreement, llama_cpp
 
 PROMPT = "import os\n\n\ndef read_lines(path):"
 
@@ -57,19 +63,30 @@ def backend_loop(backend: LlamaCppBackend, prompt: list[int], n: int) -> tuple[l
     return out, time.perf_counter() - start
 
 
-def row_agreement(backend: LlamaCppBackend, ids: list[int], k: int) -> tuple[float, float]:
-    """(share of rows bit-identical, share with the same argmax): k-row passes vs one row at a time."""
-    equal = same_argmax = total = 0
+def row_agreement(backend: LlamaCppBackend, ids: list[int], k: int) -> RowAgreement:
+    """k-row passes over the text against the same rows scored one at a time."""
+    agreement = RowAgreement(0, 0, 0)
     for start in range(1, len(ids) - k, k):
         backend.truncate(0)
         backend.evaluate(ids[:start])
         together = backend.evaluate(ids[start : start + k])
         backend.truncate(start)
         alone = torch.cat([backend.evaluate([token]) for token in ids[start : start + k]])
-        equal += int((together == alone).all(-1).sum())
-        same_argmax += int((together.argmax(-1) == alone.argmax(-1)).sum())
-        total += k
-    return equal / total, same_argmax / total
+        agreement += RowAgreement.of(together, alone)
+    return agreement
+
+
+def pass_cost(backend: LlamaCppBackend, ids: list[int], rows: int, repeats: int = 15) -> float:
+    """Median seconds of a pass of `rows` rows after `ids`."""
+    backend.truncate(0)
+    backend.evaluate(ids)
+    timings = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        backend.evaluate(ids[1 : 1 + rows])
+        timings.append(time.perf_counter() - start)
+        backend.truncate(len(ids))
+    return float(np.median(timings))
 
 
 def main() -> None:
@@ -79,7 +96,8 @@ def main() -> None:
     parser.add_argument("-m", "--model", type=Path, required=True, help="GGUF file")
     parser.add_argument("-n", "--n-predict", type=int, default=128)
     parser.add_argument("-t", "--threads", type=int, default=1)
-    parser.add_argument("-k", type=int, default=8, help="rows per pass in the agreement check")
+    parser.add_argument("-k", default="8", help="rows per pass in the agreement check (comma-separated)")
+    parser.add_argument("--pass-rows", default="1,2,5,9,17", help="pass sizes to time (comma-separated)")
     parser.add_argument("--rounds", type=int, default=5, help="alternated runs of each loop (median)")
     args = parser.parse_args()
     options = LoadOptions(backend="llama.cpp", threads=args.threads, n_ctx=1024)
@@ -110,10 +128,24 @@ def main() -> None:
             f"({raw_s / seconds:.2f}x)"
         )
     print(f"  same greedy tokens: {raw == ours == result.tokens[:n]}")
-    equal, argmax = row_agreement(backend, prompt + raw, args.k)
+    for k in (int(k) for k in args.k.split(",")):
+        agreement = row_agreement(backend, prompt + raw, k)
+        print(
+            f"  {k}-row vs 1-row passes: {100 * agreement.identical / agreement.rows:.1f}% rows "
+            f"bit-identical, {100 * agreement.same_argmax / agreement.rows:.1f}% same argmax"
+        )
+    invariant, probe = backend.invariant, backend.model.probe
     print(
-        f"  {args.k}-row vs 1-row passes: {100 * equal:.1f}% rows bit-identical, "
-        f"{100 * argmax:.1f}% same argmax"
+        f"  the backend's probe: invariant {invariant} ({probe.identical}/{probe.rows} rows "
+        f"bit-identical; every pass of up to {backend.model.invariant_rows} rows)"
+    )
+    costs = {rows: pass_cost(backend, prompt + raw, rows) for rows in map(int, args.pass_rows.split(","))}
+    one = costs.get(1) or pass_cost(backend, prompt + raw, 1)
+    print(
+        "  pass of T rows: "
+        + ", ".join(
+            f"T={rows} {1e3 * seconds:.2f} ms ({seconds / one:.1f}x)" for rows, seconds in costs.items()
+        )
     )
 
 
