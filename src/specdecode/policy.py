@@ -61,6 +61,7 @@ PRIOR_DRAFT_STEP = 0.1  # a draft step, as a share of a one-row target pass, bef
 EMA = 0.1  # weight of the newest observation in the moving averages
 CALIBRATION_WEIGHT = 2.0  # passes each load-time timing counts as in the cost fit
 FIT_DECAY = 0.98  # per pass run: the weight of older passes in the cost fit
+REFIT_EVERY = 8  # passes run between refits of the cost line (costs drift slowly)
 BUCKETS = 10  # confidence buckets of model drafts
 OWN_DEPTHS = 8  # depths with counts of their own; deeper ones share a cell per half-octave
 KNOT = 17  # rows where the pass cost's second slope starts (the longest pass timed at load)
@@ -93,10 +94,12 @@ class CostModel:
         self.calibrated: dict[int, float] = {}  # rows -> the load-time median
         self.measured: dict[int, list[float]] = {}  # rows -> [count, total seconds] of passes run
         self.draft_calls: dict[str, DraftCalls] = {}  # drafting model -> its calls' cost line
-        # decayed sums over passes run of w * f f^T and w * f y, f = (1, T, max(0, T - KNOT))
-        self._gram = np.zeros((3, 3))
-        self._moment = np.zeros(3)
-        self._curve: tuple[float, float, float] | None = None  # (a, b, c), refitted after each change
+        # decayed sums over passes run of w * f_i f_j and w * f_i y, f = (1, T, max(0, T - KNOT)),
+        # in plain floats (updated every step; numpy only when refitting)
+        self._gram = [0.0] * 9
+        self._moment = [0.0] * 3
+        self._curve: tuple[float, float, float] | None = None  # (a, b, c)
+        self._stale = 0  # passes observed since the last fit
         self._times: dict[float, float] = {}  # rows -> pass_time under the current curve
 
     def calibrate(self, backend: Backend, rows: tuple[int, ...] = CALIBRATION_ROWS) -> None:
@@ -119,19 +122,20 @@ class CostModel:
         self._curve = None
 
     def observe_pass(self, rows: int, seconds: float) -> None:
-        features = _features(rows)
-        self._gram = FIT_DECAY * self._gram + np.outer(features, features)
-        self._moment = FIT_DECAY * self._moment + features * seconds
-        self._curve = None
+        f = (1.0, float(rows), max(0.0, rows - KNOT))
+        self._gram = [FIT_DECAY * g + f[i // 3] * f[i % 3] for i, g in enumerate(self._gram)]
+        self._moment = [FIT_DECAY * m + f[i] * seconds for i, m in enumerate(self._moment)]
+        self._stale += 1
         count_total = self.measured.setdefault(rows, [0, 0.0])
         count_total[0] += 1
         count_total[1] += seconds
 
     def pass_time(self, rows: float) -> float:
         """Seconds of a pass of `rows` rows (asked for many lengths every step: remembered
-        until the next refit)."""
-        if self._curve is None:
+        until the next refit, every REFIT_EVERY passes run)."""
+        if self._curve is None or self._stale >= REFIT_EVERY:
             self._curve = tuple(float(v) for v in self._fit())
+            self._stale = 0
             self._times = {}
         if rows not in self._times:
             a, b, c = self._curve
@@ -142,7 +146,7 @@ class CostModel:
         """(a, b, c) of the weighted least-squares fit, b >= 0 and c >= -b (costs never fall
         with more rows); the prior's before any timing."""
         seeds = self.calibrated or {1: PRIOR_PASS, KNOT: PRIOR_PASS * _prior_shape(KNOT)}
-        gram, moment = self._gram.copy(), self._moment.copy()
+        gram, moment = np.array(self._gram).reshape(3, 3), np.array(self._moment)
         for n, seconds in seeds.items():
             features = _features(n)
             gram += CALIBRATION_WEIGHT * np.outer(features, features)
