@@ -489,8 +489,11 @@ def test_unknown_policy_is_refused(zoo):
 
 
 def test_cli_flag():
+    """The command line and the server default to the adaptive policy (the benchmark's choice);
+    the library's Pipeline keeps llama.cpp's classic chain unless asked."""
     parser = build_parser()
-    assert parser.parse_args(["generate", "-p", "x"]).spec_policy == "classic"
-    assert parser.parse_args(["generate", "-p", "x", "--spec-policy", "adaptive"]).spec_policy == "adaptive"
+    assert parser.parse_args(["generate", "-p", "x"]).spec_policy == "adaptive"
+    assert parser.parse_args(["serve", "--port", "1"]).spec_policy == "adaptive"
+    assert parser.parse_args(["generate", "-p", "x", "--spec-policy", "classic"]).spec_policy == "classic"
     with pytest.raises(SystemExit):
         parser.parse_args(["generate", "-p", "x", "--spec-policy", "clever"])

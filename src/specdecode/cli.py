@@ -139,7 +139,7 @@ def add_spec_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--spec-policy",
         choices=SPEC_POLICIES,
-        default="classic",
+        default="adaptive",
         help="classic: llama.cpp's fixed chain, --draft-p-min and --draft-max; adaptive: each step "
         "drafts the strategy and length with the most expected tokens per second, from pass costs "
         "timed at load and acceptance measured as it runs (--draft-max caps the length; with tree "
