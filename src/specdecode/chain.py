@@ -15,9 +15,10 @@ state, e.g. ngram-cache's dynamic file).
 
 With an `AdaptivePolicy` (`specdecode.policy`) the chain asks every model-free strategy, keeps
 the draft (cut to the length) with the best expected tokens per second, and runs a drafting
-model only when its measured rate beats that, stopping its draft by the policy's rule instead
-of p_min; no draft at all (a plain step) is a candidate too. `accept` then reports the step's
-outcome and pass time to the policy. Errors that are not the strategy's propagate: a
+model only when its measured rate beats that, shaping its draft (a chain's length, a tree's
+nodes) by the policy's rule instead of p_min and p_split; no draft at all (a plain step) is a
+candidate too. `accept` then reports the step's outcome (the accepted path, for trees) and
+pass time to the policy. Errors that are not the strategy's propagate: a
 SpecdecodeError (a refusal of the user's input or settings), and running out of memory (the
 target's pass would be next).
 """
