@@ -94,10 +94,7 @@ class CostModel:
         self.calibrated: dict[int, float] = {}  # rows -> the load-time median
         self.measured: dict[int, list[float]] = {}  # rows -> [count, total seconds] of passes run
         self.draft_calls: dict[str, DraftCalls] = {}  # drafting model -> its calls' cost line
-        # decayed sums over passes run of w * f_i f_j and w * f_i y, f = (1, T, max(0, T - KNOT)),
-        # in plain floats (updated every step; numpy only when refitting)
-        self._gram = [0.0] * 9
-        self._moment = [0.0] * 3
+        self._sums = DecayedSums(3)  # over the passes run, features _features(T)
         self._curve: tuple[float, float, float] | None = None  # (a, b, c)
         self._stale = 0  # passes observed since the last fit
         self._times: dict[float, float] = {}  # rows -> pass_time under the current curve
@@ -122,9 +119,7 @@ class CostModel:
         self._curve = None
 
     def observe_pass(self, rows: int, seconds: float) -> None:
-        f = (1.0, float(rows), max(0.0, rows - KNOT))
-        self._gram = [FIT_DECAY * g + f[i // 3] * f[i % 3] for i, g in enumerate(self._gram)]
-        self._moment = [FIT_DECAY * m + f[i] * seconds for i, m in enumerate(self._moment)]
+        self._sums.observe(_features(rows), seconds)
         self._stale += 1
         count_total = self.measured.setdefault(rows, [0, 0.0])
         count_total[0] += 1
@@ -146,9 +141,9 @@ class CostModel:
         """(a, b, c) of the weighted least-squares fit, b >= 0 and c >= -b (costs never fall
         with more rows); the prior's before any timing."""
         seeds = self.calibrated or {1: PRIOR_PASS, KNOT: PRIOR_PASS * _prior_shape(KNOT)}
-        gram, moment = np.array(self._gram).reshape(3, 3), np.array(self._moment)
+        gram, moment = self._sums.arrays()
         for n, seconds in seeds.items():
-            features = _features(n)
+            features = np.array(_features(n))
             gram += CALIBRATION_WEIGHT * np.outer(features, features)
             moment += CALIBRATION_WEIGHT * features * seconds
         if gram[2, 2] > 0:  # passes beyond the knot: fit the second slope
@@ -204,18 +199,16 @@ class DraftCalls:
     seconds a step and nothing more, two pseudo-calls that the calls run soon outweigh."""
 
     def __init__(self, prior: float) -> None:
-        self._sums = [0.0] * 5  # w, w*steps, w*steps^2, w*seconds, w*steps*seconds
+        self._sums = DecayedSums(2)  # features (1, steps)
         for steps in (1, 2):
             self.observe(steps, prior * steps)
 
     def observe(self, steps: int, seconds: float) -> None:
-        self._sums = [FIT_DECAY * total for total in self._sums]
-        for index, value in enumerate((1.0, steps, steps * steps, seconds, steps * seconds)):
-            self._sums[index] += value
+        self._sums.observe((1.0, float(steps)), seconds)
 
     def line(self) -> tuple[float, float]:
         """(a, b), both >= 0."""
-        w, wx, wxx, wy, wxy = self._sums
+        (w, wx, _, wxx), (wy, wxy) = self._sums.gram, self._sums.moment
         spread = w * wxx - wx * wx
         b = (w * wxy - wx * wy) / spread if spread > 0 else 0.0
         if b <= 0:  # more steps never cost less: what the calls took, all of it per call
@@ -224,12 +217,33 @@ class DraftCalls:
         return (a, b) if a >= 0 else (0.0, wxy / wxx)  # through the origin
 
 
+class DecayedSums:
+    """The normal equations of a weighted least-squares fit whose older observations weigh
+    FIT_DECAY less at each new one: the sums of w * f_i * f_j (`gram`, row-major) and of
+    w * f_i * y (`moment`), in plain floats, since they are updated every step."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.gram = [0.0] * (size * size)
+        self.moment = [0.0] * size
+
+    def observe(self, features: Sequence[float], value: float) -> None:
+        n = self.size
+        self.gram = [FIT_DECAY * g + features[i // n] * features[i % n] for i, g in enumerate(self.gram)]
+        self.moment = [FIT_DECAY * m + features[i] * value for i, m in enumerate(self.moment)]
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """Copies of (gram, moment) as numpy arrays, to add to and solve."""
+        return np.array(self.gram).reshape(self.size, self.size), np.array(self.moment)
+
+
 def _prior_shape(rows: float) -> float:
     return 1.0 + PRIOR_SLOPE * (rows - 1)
 
 
-def _features(rows: float) -> np.ndarray:
-    return np.array([1.0, rows, max(0.0, rows - KNOT)])
+def _features(rows: float) -> tuple[float, float, float]:
+    """A pass's features in the cost fit: 1, its rows, and its rows past the knot."""
+    return 1.0, float(rows), max(0.0, rows - KNOT)
 
 
 def _solve(gram: np.ndarray, moment: np.ndarray) -> np.ndarray:
@@ -261,6 +275,10 @@ class AcceptanceModel:
         estimate over all depths, which deep cells (seldom reached) start from."""
         return self.estimate(strategy, 0, confidence, confidence)
 
+    def model_estimate(self, strategy: str, depth: int, confidence: float) -> float:
+        """The estimate for a model draft's token of this confidence at `depth`."""
+        return self.estimate(strategy, depth, confidence, self.model_prior(strategy, confidence))
+
     def seen(self, strategy: str, depth: int, confidence: float | None) -> float:
         """How many (decayed) outcomes the estimate of this cell rests on."""
         return sum(self.cells.get(_cell(strategy, depth, confidence), (0.0, 0.0)))
@@ -270,8 +288,11 @@ class AcceptanceModel:
         model-free draft's)."""
         estimates: list[float] = []
         for depth, confidence in enumerate(confidences, start=1):
-            prior = confidence if confidence is not None else estimates[-1] if estimates else PRIOR_FREE
-            estimates.append(self.estimate(strategy, depth, confidence, prior))
+            if confidence is not None:
+                estimates.append(self.model_estimate(strategy, depth, confidence))
+            else:
+                prior = estimates[-1] if estimates else PRIOR_FREE
+                estimates.append(self.estimate(strategy, depth, None, prior))
         return estimates
 
     def observe(self, strategy: str, confidences: list[float | None], n_accepted: int) -> None:
@@ -397,9 +418,7 @@ class Stopper:
         accumulate: a cell whose tokens are never drafted would never learn that they are
         kept more often than their confidence says (small drafts are underconfident)."""
         acceptance = self.models.acceptance
-        a = acceptance.estimate(
-            self.source, depth, confidence, acceptance.model_prior(self.source, confidence)
-        )
+        a = acceptance.model_estimate(self.source, depth, confidence)
         bonus = EXPLORE / math.sqrt(1.0 + acceptance.seen(self.source, depth, confidence))
         costs = self.models.costs
         seconds = costs.step_time(self.strategy) + costs.pass_time(nodes + 2) - costs.pass_time(nodes + 1)
@@ -437,10 +456,9 @@ class AdaptivePolicy:
         """The tokens per second a second of this step is worth: the rate of the recent steps,
         but no more than the best candidate of this step achieves (a plain step, each
         model-free draft at its best length (`expected`: its E_k by strategy), each drafting
-        model's record). Valued at a rate
-        no candidate reaches here (the previous text's long copies, say), every candidate
-        would look poor and the cheapest would win; but the text is what it is for a while
-        yet, and its next tokens must be made at the rates it offers."""
+        model's record). Valued at a rate no candidate reaches here (the previous text's long
+        copies, say), every candidate would look poor and the cheapest would win; but the text
+        is what it is for a while yet, and its next tokens must be made at the rates it offers."""
         costs = self.models.costs
         recent = self.models.rate if self.models.rate is not None else 1.0 / costs.pass_time(1)
         best = 1.0 / (t_sunk + costs.pass_time(1))
@@ -493,7 +511,7 @@ class AdaptivePolicy:
         else:
             waits[source] = PROBE_EVERY
         self._idle[strategy] = 0
-        return Stopper(self.models, strategy, rate, self.source(strategy))
+        return Stopper(self.models, strategy, rate, source)
 
     def skipped(self, strategies: list[str]) -> None:
         for strategy in strategies:
