@@ -381,7 +381,7 @@ class CpuCosts(CostModel):
         if draft_step is not None:
             self.draft_calls["draft"] = DraftCalls(draft_step)
 
-    def observe_pass(self, rows: int, seconds: float) -> None:
+    def observe_pass(self, rows: int, seconds: float, sequences: int = 1, weight: float = 1.0) -> None:
         """Held fixed."""
 
     def observe_draft(self, strategy: str, steps: int, seconds: float) -> None:

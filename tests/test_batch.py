@@ -12,7 +12,7 @@ import random
 
 import pytest
 import torch
-from conftest import VOCAB_SIZE, TargetSpec, cached_tokenizer, eagle3_head, eagle3_target
+from conftest import VOCAB_SIZE, TargetSpec, cached_tokenizer, cpu_policy, eagle3_head, eagle3_target
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import LlamaForCausalLM
@@ -23,8 +23,8 @@ from specdecode.backends.gather import DraftPasses, GatheredBackend
 from specdecode.backends.native import NativeBackend
 from specdecode.constraints import ConstraintSpec
 from specdecode.errors import SpecdecodeError
-from specdecode.policy import CostModel
-from specdecode.scheduler import BatchEngine, LoadRule, SpeculationGate
+from specdecode.policy import CostModel, PolicyModels
+from specdecode.scheduler import BatchEngine, LoadRule, PassRecord, SpeculationGate
 from specdecode.testing import make_llama, perturbed_copy
 
 GREEDY = SamplingParams(temperature=0)
@@ -192,15 +192,19 @@ SYSTEMS = {
         "draft_config": DraftModelConfig(p_min=0.0, n_max=8, n_parallel=3),
     },
     "ngram-mod": {"spec_types": ["ngram-mod"]},
+    # The adaptive policy prices each draft at what its rows add to the batch's pass.
+    "ngram+draft@adaptive": {"spec_types": ["ngram-simple", "draft"], "spec_policy": "adaptive"},
 }
 MODES = {"greedy": GREEDY, "seeded": SamplingParams(temperature=0.9, top_k=20, seed=11)}
 
 
 def pipeline(dtype: str, system: str) -> Pipeline:
-    kwargs = SYSTEMS[system]
+    kwargs = dict(SYSTEMS[system])
     backend_draft = (
         NativeBackend(draft(dtype), cached_tokenizer()) if "draft" in kwargs["spec_types"] else None
     )
+    if kwargs.get("spec_policy") == "adaptive":  # a large target's costs: the tiny one's draft nothing
+        kwargs["policy_models"] = cpu_policy()
     return Pipeline(native(dtype), backend_draft, **kwargs)
 
 
@@ -222,7 +226,8 @@ def test_generate_batch_equals_each_prompt_alone(dtype, system, mode, exactness_
             assert ours.tokens == expected.tokens
             assert ours.text == expected.text
             assert ours.stats.stop_reason == expected.stats.stop_reason
-            if not load_rule and system != "ngram-mod":  # ngram-mod's pool is shared by the batch
+            # ngram-mod's pool is shared by the batch; the adaptive policy drafts by the batch.
+            if not load_rule and system not in ("ngram-mod", "ngram+draft@adaptive"):
                 # The batched draft model drafted exactly what it drafts alone.
                 assert ours.stats.totals.n_drafted == expected.stats.totals.n_drafted
             exactness_log.record(
@@ -408,3 +413,35 @@ def test_the_gate_drafts_while_drafting_steps_measure_faster():
     gate.observe(8, True, tokens=600, seconds=0.1)  # drafting became far faster
     assert gate.choose(8) is True
     assert gate.choose(16) is True  # another batch size measures on its own
+
+
+def test_the_adaptive_policy_learns_each_shared_pass_once_at_its_shape():
+    """Under the adaptive policy, each sequence reports its rows' share of the shared pass:
+    the cost model counts every pass once, under its rows and sequences, and the engine caps
+    no draft (the policy prices a batch's rows itself)."""
+    draft_backend = NativeBackend(draft("float64"), cached_tokenizer())
+    front = Pipeline(
+        native("float64"),
+        draft_backend,
+        spec_types=["ngram-simple", "draft"],
+        spec_policy="adaptive",
+        policy_models=PolicyModels(),
+    )
+    assert front.load_rule() is None
+    records: list[PassRecord] = []
+    engine = BatchEngine(front.load_rule(), on_pass=records.append)
+    batch = prompts(5)
+    engine.run(
+        [front.fork() for _ in range(3)],
+        len(batch),
+        lambda seat, i: seat.stream(batch[i], GREEDY, GenerationConfig(n_predict=12)),
+        lambda i, entry: None,
+    )
+    shapes: dict[tuple[int, int], int] = {}
+    for record in records:
+        shapes[(record.rows, record.sequences)] = shapes.get((record.rows, record.sequences), 0) + 1
+    measured = front.policy_models.costs.measured
+    assert set(measured) == set(shapes)
+    for shape, count in shapes.items():
+        assert measured[shape][0] == pytest.approx(count)
+    assert any(sequences > 1 for _, sequences in shapes)

@@ -21,6 +21,8 @@ from specdecode.policy import (
     AdaptivePolicy,
     CostModel,
     DraftCalls,
+    PassLoad,
+    PassShare,
     PolicyModels,
     Record,
     Stopper,
@@ -153,6 +155,7 @@ def test_passes_run_feed_the_fit_report():
     assert costs.fit() == [
         {
             "rows": 2,
+            "sequences": 1,
             "passes": 50,
             "measured_ms": pytest.approx(22.0),
             "model_ms": pytest.approx(22.0, rel=0.1),
@@ -189,6 +192,34 @@ def test_draft_calls_never_get_cheaper_with_more_steps():
         calls.observe(4, 0.003)  # noise: longer calls timed faster
     a, b = calls.line()
     assert b == 0.0 and a == pytest.approx(0.0035, rel=0.05)
+
+
+def test_passes_of_several_sequences_add_a_cost_per_sequence():
+    """A batch's pass of T rows costs more than one sequence's T rows (each sequence attends to
+    its own cache): once such passes run, the fit learns that cost, and one sequence's
+    passes stay as they were."""
+    costs = CostModel()
+    costs.calibrated.update({1: 0.010, 9: 0.014, 17: 0.018})  # 0.5 ms a row
+    assert costs.pass_time(8, 8) == costs.pass_time(8)  # nothing seen yet: no cost per sequence
+    for _ in range(40):
+        for rows, sequences in ((4, 4), (8, 4), (8, 8), (16, 8), (3, 1)):
+            costs.observe_pass(rows, 0.0095 + 0.0005 * rows + 0.0004 * (sequences - 1), sequences)
+    assert costs.pass_time(8, 8) == pytest.approx(0.0163, rel=0.02)
+    assert costs.pass_time(12, 4) == pytest.approx(0.0167, rel=0.02)
+    assert costs.pass_time(5) == pytest.approx(0.012, rel=0.02)
+
+
+def test_a_pass_reported_in_shares_counts_once():
+    """Each sequence of a batch reports its rows' share of the pass: the fit and the report
+    see one pass, as if it had been reported whole."""
+    whole, shares = CostModel(), CostModel()
+    for seconds in (0.020, 0.030, 0.025) * 10:
+        whole.observe_pass(12, seconds, 4)
+        for weight in (0.25, 0.25, 0.5):
+            shares.observe_pass(12, seconds, 4, weight)
+    assert shares.measured[(12, 4)] == pytest.approx(whole.measured[(12, 4)])
+    for ours, expected in zip(shares._sums.arrays(), whole._sums.arrays(), strict=True):
+        assert ours == pytest.approx(expected, rel=0.01)
 
 
 # --------------------------------------------------------------------------- acceptance model
@@ -314,7 +345,7 @@ def test_chain_prefers_the_strategy_with_the_better_record():
     assert a.asked == b.asked == 1  # model-free strategies are all asked
     chain.accept(draft, 4, 0.015)
     assert models.choices[("b", 4)] == 1
-    assert models.costs.measured[5] == [1, 0.015]
+    assert models.costs.measured[(5, 1)] == [1, 0.015]
 
 
 def cells_of(models: PolicyModels, strategy: str) -> dict[int, list[float]]:
@@ -419,9 +450,11 @@ def test_probes_that_keep_losing_come_ever_more_rarely():
         if model.asked > before:
             asked.append(step)
     assert asked == [9, 26, 59]  # after 8 idle steps, then 16, then 32
-    chain = Chain([model], AdaptivePolicy(models))  # the next generation waits as long: 64 steps
+    # The next generation goes on counting: 64 idle steps since the last probe, one of them
+    # the previous generation's last step.
+    chain = Chain([model], AdaptivePolicy(models))
     asked = model.asked
-    for _ in range(64):
+    for _ in range(63):
         chain.accept(chain.draft([1, 2], 3, 16), 0, 0.012)
     assert model.asked == asked
     chain.draft([1, 2], 3, 16)
@@ -444,6 +477,58 @@ def test_the_keep_drafting_hook_is_cleared_after_the_draft():
     chain = Chain([model], AdaptivePolicy(PolicyModels(costs=cpu_costs())))
     assert chain.draft([1], 2, 4).tokens == [5]
     assert model.keep_drafting is None
+
+
+def test_in_a_batch_a_draft_must_beat_the_batch_rate():
+    """A draft kept 40% of the time pays beside one sequence (its row costs a tenth of a
+    token), not beside fifteen others: the same row then costs what the batch makes in that
+    time, about half a token."""
+    models = PolicyModels(costs=cpu_costs())
+    for i in range(50):
+        teach(models, "a", 1 if i % 5 in (0, 2) else 0, 1, 1)  # 40% kept at depth 1
+    chain = Chain([Fixed("a", [5])], AdaptivePolicy(models))
+    assert chain.draft([1, 2], 3, 16).tokens == [5]  # alone
+    chain.accept(Draft(), 0, 0.012, [9])
+    # A batch of 16 has been emitting a token per sequence per pass.
+    models.step_tokens, models.step_seconds = 1.0, models.costs.pass_time(16, 16) / 16
+    batch = PassLoad(other_rows=15, sequences=16)
+    assert not chain.draft([1, 2, 3], 9, 16, load=batch).tokens
+    chain.accept(Draft(), 0, 0.036, [9], share=PassShare(16, 16))
+    for _ in range(50):
+        teach(models, "a", 1, 1, 1)  # nearly always kept: worth its row even so
+    assert chain.draft([1, 2, 3, 9], 9, 16, load=batch).tokens == [5]
+
+
+def test_a_batch_probes_a_drafting_model_as_often_as_one_sequence():
+    """Passes count towards the next probe of an unused drafting model, whichever sequence
+    steps: a probe stalls every sequence of the pass."""
+    models = PolicyModels(costs=cpu_costs())
+    models.records["m"] = Record(tokens=1.0, rows=4.0)  # losing: only probes run it
+    sequences = [AdaptivePolicy(models) for _ in range(4)]
+    probes = []
+    for step in range(1, 61):  # 60 passes of four sequences
+        for policy in sequences:
+            policy.load = PassLoad(other_rows=3, sequences=4)
+            if policy.model_gain("m", 0.0, plain_rate(models)) == float("inf"):
+                policy.stopper("m", plain_rate(models))
+                probes.append(step)
+            else:
+                policy.skipped(["m"])
+    # As one sequence: after 8 idle passes, then 16, then 32 (a pass earlier each time: the
+    # probing pass counts three quarters idle, for the three sequences that did not probe).
+    assert probes == [9, 25, 57]
+
+
+def test_a_batch_credits_each_sequence_with_its_share_of_pass_and_drafting():
+    """The rate the policy achieves is the batch's: each step is credited with its rows' share
+    of the pass and its own part of the drafting round."""
+    models = PolicyModels(costs=cpu_costs())
+    policy = AdaptivePolicy(models)
+    share = PassShare(8, 4, 0.25)
+    for _ in range(30):  # four sequences in passes of 8 rows, 40 ms, each drafting 10 ms of waiting
+        for rows in (1, 3, 2, 2):
+            policy.observe(None, [None] * (rows - 1), [], 0.010, 0.040, None, 0, 0.0, share=share)
+    assert models.rate == pytest.approx(4 / (0.040 + 0.010), rel=0.05)
 
 
 # --------------------------------------------------------------------------- pipeline and CLI

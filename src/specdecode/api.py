@@ -204,7 +204,9 @@ class Pipeline:
         alone (greedy, or seeded `match`, on a row-invariant backend).
 
         sampling: one setting for all, or one per prompt (give seeds for reproducible draws).
-        load_rule: shorten drafts as the batch grows (`LoadRule`); False drafts as alone.
+        load_rule: shorten a classic chain's drafts as the batch grows (`LoadRule`), and let
+        the batch draft only while drafting steps measure faster (`SpeculationGate`); False
+        drafts as alone. The adaptive policy prices a batch's rows by itself either way.
         constraint: what every answer must match (each sequence walks its own matcher)."""
         if max_sequences < 1:
             raise SpecdecodeError(f"max_sequences must be >= 1, not {max_sequences}")
@@ -218,7 +220,11 @@ class Pipeline:
         for ids in encoded:  # every request checked before any work
             check_room(ids, config.n_predict, self.target.n_ctx)
         passes, seats = self._seats(min(max_sequences, len(prompts)))
-        engine = BatchEngine(self.load_rule() if load_rule else None, draft_passes=passes)
+        engine = BatchEngine(
+            self.load_rule() if load_rule else None,
+            draft_passes=passes,
+            gate=load_rule and bool(self.spec_types),
+        )
         results: list[Result | None] = [None] * len(prompts)
 
         def start(seat: Pipeline, index: int) -> Generation:
@@ -242,9 +248,12 @@ class Pipeline:
         seats.extend(self.fork(passes) for _ in range(count - len(seats)))
         return passes, seats[:count]
 
-    def load_rule(self) -> LoadRule:
-        """The rule that shortens drafts under load, its pass costs timed once per pipeline
-        (on a fork, so that this pipeline's cache stays as it is)."""
+    def load_rule(self) -> LoadRule | None:
+        """The rule that shortens a classic chain's drafts under load, its pass costs timed
+        once per pipeline (on a fork, so that this pipeline's cache stays as it is); None
+        under the adaptive policy, which prices a batch's rows itself."""
+        if self.policy_models is not None:
+            return None
         if self._load_rule is None:
             self._load_rule = LoadRule.timed(self.target.fork())
         return self._load_rule

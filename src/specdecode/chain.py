@@ -35,7 +35,7 @@ import torch
 
 from specdecode.constraints import Constraint
 from specdecode.errors import SpecdecodeError
-from specdecode.policy import AdaptivePolicy, Stopper
+from specdecode.policy import ALONE, AdaptivePolicy, PassLoad, PassShare, Stopper
 from specdecode.stats import StrategyStats
 from specdecode.strategies import Draft, Strategy
 from specdecode.strategies.base import Steerable
@@ -78,11 +78,20 @@ class Chain:
             if index not in self._failed:
                 strategy.end()
 
-    def draft(self, history: Sequence[int], last: int, n_max: int, n_nodes: int | None = None) -> Draft:
+    def draft(
+        self,
+        history: Sequence[int],
+        last: int,
+        n_max: int,
+        n_nodes: int | None = None,
+        load: PassLoad = ALONE,
+    ) -> Draft:
         """The first non-empty draft at least n_min deep, cut to n_max tokens deep and (trees)
-        n_nodes nodes; empty if none. With a policy: the draft it chooses, or none."""
+        n_nodes nodes; empty if none. With a policy: the draft it chooses for a pass that also
+        holds `load` (a batch's other sequences), or none."""
         self._last = None
         if self.policy is not None:
+            self.policy.load = load
             return self._draft_adaptive(self.policy, history, last, n_max, n_nodes)
         for index, strategy in enumerate(self.strategies):
             if index in self._failed:
@@ -169,13 +178,15 @@ class Chain:
         t_pass: float = 0.0,
         emitted: Sequence[int] = (),
         path: Sequence[int] | None = None,
+        share: PassShare | None = None,
     ) -> None:
         """Report the verification of the last draft: n_accepted tokens kept, down one path
         (the nodes `path`; None: a chain's first n_accepted), for strategies a no-op without a
-        draft, in a target pass of t_pass seconds that emitted these tokens."""
-        if self.policy is not None and self._step is not None:
+        draft, in a target pass of t_pass seconds (shared with a batch: `share`) that emitted
+        these tokens."""
+        if self.policy is not None:  # a step with no room to draft was a plain step all the same
             kept = list(range(n_accepted)) if path is None else list(path)
-            self._step.report(self.policy, draft, kept, t_pass, emitted)
+            (self._step or _Step()).report(self.policy, draft, kept, t_pass, emitted, share)
             self._step = None
         if self._last is None:
             return
@@ -226,7 +237,13 @@ class _Step:
         self.drafts: dict[str, list[int]] = {}  # model-free strategy -> its whole draft
 
     def report(
-        self, policy: AdaptivePolicy, draft: Draft, path: list[int], t_pass: float, emitted: Sequence[int]
+        self,
+        policy: AdaptivePolicy,
+        draft: Draft,
+        path: list[int],
+        t_pass: float,
+        emitted: Sequence[int],
+        share: PassShare | None,
     ) -> None:
         k = len(draft.tokens)
         confidences: list[float | None] = [None] * k
@@ -249,5 +266,6 @@ class _Step:
             steps,
             self.t_model,
             parents=draft.parents,
+            share=share,
         )
         policy.watch(self.drafts, emitted)

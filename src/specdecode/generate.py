@@ -34,6 +34,7 @@ from specdecode.backends.batch import RowGroup, score_alone
 from specdecode.chain import Chain
 from specdecode.constraints import Constraint
 from specdecode.errors import SpecdecodeError
+from specdecode.policy import ALONE, PassLoad, PassShare
 from specdecode.sampling import Sampler
 from specdecode.stats import GenerationStats
 from specdecode.strategies import Draft
@@ -74,6 +75,7 @@ class StepPlan:
 
     draft: Draft
     rows: RowGroup
+    t_draft: float = 0.0  # seconds its drafting took
 
 
 @dataclass
@@ -156,10 +158,10 @@ class Generation:
         logits = score_alone(plan.rows)
         return self.finish(plan, logits, time.perf_counter() - start)
 
-    def plan(self, max_draft: int | None = None) -> StepPlan | None:
+    def plan(self, max_draft: int | None = None, load: PassLoad = ALONE) -> StepPlan | None:
         """Draft, and say which rows the target must score: [last, *draft]. None when the
         context is full (the generation has stopped). max_draft caps the draft's nodes (0: a
-        plain step), as a batch under load asks."""
+        plain step), as a batch under load asks; `load`: what else the pass will hold."""
         history, last = self._history, self.tokens[-1]
         if len(history) + 1 > self.target.n_ctx:
             self.stats.stop_reason = "context"
@@ -169,18 +171,22 @@ class Generation:
         if max_draft is not None:
             room, depth = min(room, max_draft), min(depth, max_draft)
         start = time.perf_counter()
-        draft = self.chain.draft(history, last, depth, room) if self.chain and depth > 0 else Draft()
-        self.stats.t_draft += time.perf_counter() - start
+        draft = self.chain.draft(history, last, depth, room, load) if self.chain and depth > 0 else Draft()
+        t_draft = time.perf_counter() - start
+        self.stats.t_draft += t_draft
         self.target.truncate(len(history))
         if draft.is_chain:
             rows = RowGroup(self.target, [last, *draft.tokens])
         else:
             rows = RowGroup(self.target, [last, *draft.tokens], [-1, *(p + 1 for p in draft.parent_list())])
-        return StepPlan(draft, rows)
+        return StepPlan(draft, rows, t_draft)
 
-    def finish(self, plan: StepPlan, logits: torch.Tensor, t_pass: float) -> Chunk:
+    def finish(
+        self, plan: StepPlan, logits: torch.Tensor, t_pass: float, share: PassShare | None = None
+    ) -> Chunk:
         """Verify the plan's draft against the target's logits [N+1, V] (from a pass of
-        t_pass seconds), keep what was accepted, and emit the step's tokens."""
+        t_pass seconds, shared with a batch: `share`), keep what was accepted, and emit the
+        step's tokens."""
         start = time.perf_counter()
         history, draft = self._history, plan.draft
         last = plan.rows.ids[0]
@@ -193,7 +199,7 @@ class Generation:
         self.stats.n_passes += 1
         self.stats.n_step_tokens += len(verdict.emitted)
         if self.chain:  # also after a plain step: the adaptive policy learns from it
-            self.chain.accept(draft, n_accepted, t_pass, verdict.emitted, verdict.path)
+            self.chain.accept(draft, n_accepted, t_pass, verdict.emitted, verdict.path, share)
         if draft.tokens:
             self.stats.totals.record(len(draft.tokens), draft.depth, n_accepted)
         return self._emit(verdict.emitted, draft, n_accepted)

@@ -5,10 +5,11 @@ model draft stops at the first token whose confidence is below p_min. Whether th
 depends on the text, the models and the machine, so `adaptive` measures instead:
 
 - Cost model: seconds of a target pass of T rows, a line a + b * T up to KNOT rows with a
-  second slope beyond (once passes that long have run), fitted to passes timed briefly at load
-  and to the passes actually run, recent ones weighing more (contexts grow, machines get
-  busy); and the seconds of a drafting model's call as a line in its steps (what a call costs
-  anyway, catching up with the tokens verified since the last one, and what each step adds).
+  second slope beyond (once passes that long have run) and a cost per sequence sharing the
+  pass (once batches have run), fitted to passes timed briefly at load and to the passes
+  actually run, recent ones weighing more (contexts grow, machines get busy); and the seconds
+  of a drafting model's call as a line in its steps (what a call costs anyway, catching up
+  with the tokens verified since the last one, and what each step adds).
 - Acceptance model: per strategy, depth and draft-confidence bucket, P(the token is kept |
   its parent was), counted from every verified draft with decay, starting from the draft's
   calibrated confidence (model drafts) or from the estimate one depth up (model-free drafts).
@@ -28,6 +29,16 @@ Where verification keeps a draft token exactly when it equals the token emitted 
 emitted, over as many steps as that takes: the one not chosen, and the part of the chosen one
 that was cut off. Otherwise a strategy passed over would never be learnt from, and a draft cut
 to k tokens would never show that its (k+1)-th token was right, so lengths could only shrink.
+
+Batches: where sequences share each target pass (`specdecode.scheduler`), a sequence's draft
+is priced at what its rows add to the pass everyone's rows make (the other sequences' rows as
+many as they put in the previous pass), and a second is valued at the batch's rate: each step
+is credited with its rows' share of the pass and its own share of the drafting round, so the
+rate the policy achieves is the batch's tokens per second. A row that costs little beside one
+sequence costs as many tokens as the whole batch makes in that time, so drafts shorten, and
+vanish, as the batch grows, unless they are nearly always kept. A drafting model left unused
+is probed again after so many passes, whichever sequence's turn it is: a probe stalls the
+whole pass, so a batch probes no more often than one sequence does.
 
 Trees: where the settings let a drafting model branch (--draft-n-parallel, --draft-tree-tokens),
 the same rule decides node by node which of its candidates become nodes (a node is worth it
@@ -82,22 +93,24 @@ def check_policy(name: str) -> str:
 class CostModel:
     """Seconds of target passes by row count, and of draft steps by strategy.
 
-    A pass of T rows costs a + b * T + c * max(0, T - KNOT), fitted by least squares to the
-    load-time timings (each worth CALIBRATION_WEIGHT passes, always) and to the passes run
-    (weights decaying by FIT_DECAY a pass, so the fit follows a growing context or a busier
-    machine). A line, not a table: one size's noisy timing must not make one more row look
-    free or dear. The second slope c is fitted only once passes longer than KNOT rows were
-    timed or run (a CPU's long passes grow faster than its short ones); until then the line
-    goes on."""
+    A pass of T rows of S sequences costs a + b * T + c * max(0, T - KNOT) + s * (S - 1),
+    fitted by least squares to the load-time timings (each worth CALIBRATION_WEIGHT passes,
+    always) and to the passes run (weights decaying by FIT_DECAY a pass, so the fit follows a
+    growing context or a busier machine). A line, not a table: one size's noisy timing must
+    not make one more row look free or dear. The second slope c is fitted only once passes
+    longer than KNOT rows were timed or run (a CPU's long passes grow faster than its short
+    ones), and s once passes of several sequences were (each attends to its own cache);
+    until then the line goes on."""
 
     def __init__(self) -> None:
         self.calibrated: dict[int, float] = {}  # rows -> the load-time median
-        self.measured: dict[int, list[float]] = {}  # rows -> [count, total seconds] of passes run
+        # (rows, sequences) -> [count, total seconds] of the passes run
+        self.measured: dict[tuple[int, int], list[float]] = {}
         self.draft_calls: dict[str, DraftCalls] = {}  # drafting model -> its calls' cost line
-        self._sums = DecayedSums(3)  # over the passes run, features _features(T)
-        self._curve: tuple[float, float, float] | None = None  # (a, b, c)
-        self._stale = 0  # passes observed since the last fit
-        self._times: dict[float, float] = {}  # rows -> pass_time under the current curve
+        self._sums = DecayedSums(4)  # over the passes run, features _features(T, S)
+        self._curve: tuple[float, float, float, float] | None = None  # (a, b, c, s)
+        self._stale = 0.0  # passes observed since the last fit
+        self._times: dict[tuple[int, int], float] = {}  # (rows, sequences) -> pass_time now
 
     def calibrate(self, backend: Backend, rows: tuple[int, ...] = CALIBRATION_ROWS) -> None:
         """Time passes of each row count after a short context (a few reps, the median), leaving
@@ -118,42 +131,50 @@ class CostModel:
         backend.truncate(0)
         self._curve = None
 
-    def observe_pass(self, rows: int, seconds: float) -> None:
-        self._sums.observe(_features(rows), seconds)
-        self._stale += 1
-        count_total = self.measured.setdefault(rows, [0, 0.0])
-        count_total[0] += 1
-        count_total[1] += seconds
+    def observe_pass(self, rows: int, seconds: float, sequences: int = 1, weight: float = 1.0) -> None:
+        """A pass of `rows` rows of `sequences` sequences took `seconds`. weight: the share of
+        it this call reports (each sequence of a batch reports its rows' share, so that the
+        pass counts once in all)."""
+        self._sums.observe(_features(rows, sequences), seconds, weight)
+        self._stale += weight
+        count_total = self.measured.setdefault((rows, sequences), [0.0, 0.0])
+        count_total[0] += weight
+        count_total[1] += weight * seconds
 
-    def pass_time(self, rows: float) -> float:
-        """Seconds of a pass of `rows` rows (asked for many lengths every step: remembered
-        until the next refit, every REFIT_EVERY passes run)."""
+    def pass_time(self, rows: int, sequences: int = 1) -> float:
+        """Seconds of a pass of `rows` rows of `sequences` sequences (asked for many lengths
+        every step: remembered until the next refit, every REFIT_EVERY passes run)."""
         if self._curve is None or self._stale >= REFIT_EVERY:
             self._curve = tuple(float(v) for v in self._fit())
-            self._stale = 0
+            self._stale = 0.0
             self._times = {}
-        if rows not in self._times:
-            a, b, c = self._curve
-            self._times[rows] = a + b * rows + c * max(0.0, rows - KNOT)
-        return self._times[rows]
+        key = (rows, sequences)
+        if key not in self._times:
+            a, b, c, s = self._curve
+            self._times[key] = a + b * rows + c * max(0.0, rows - KNOT) + s * (sequences - 1)
+        return self._times[key]
 
     def _fit(self) -> np.ndarray:
-        """(a, b, c) of the weighted least-squares fit, b >= 0 and c >= -b (costs never fall
-        with more rows); the prior's before any timing."""
+        """(a, b, c, s) of the weighted least-squares fit, b >= 0, c >= -b and s >= 0 (costs
+        never fall with more rows or sequences); the prior's before any timing. The second
+        slope and the cost per sequence are fitted where passes showed them, and left out
+        (the simpler line) where the fit with them breaks those bounds."""
         seeds = self.calibrated or {1: PRIOR_PASS, KNOT: PRIOR_PASS * _prior_shape(KNOT)}
         gram, moment = self._sums.arrays()
         for n, seconds in seeds.items():
             features = np.array(_features(n))
             gram += CALIBRATION_WEIGHT * np.outer(features, features)
             moment += CALIBRATION_WEIGHT * features * seconds
-        if gram[2, 2] > 0:  # passes beyond the knot: fit the second slope
-            a, b, c = _solve(gram, moment)
-            if b >= 0 and c >= -b and a > 0:
-                return np.array([a, b, c])
-        a, b = _solve(gram[:2, :2], moment[:2])
-        if b < 0 or a <= 0:  # never a pass for free, never cheaper with more rows: the mean, flat
-            return np.array([moment[0] / gram[0, 0], 0.0, 0.0])
-        return np.array([a, b, 0.0])
+        seen = [column for column in (2, 3) if gram[column, column] > 0]
+        for optional in dict.fromkeys((tuple(seen), *((column,) for column in seen), ())):
+            columns = [0, 1, *optional]
+            curve = np.zeros(4)
+            curve[columns] = _solve(gram[np.ix_(columns, columns)], moment[columns])
+            a, b, c, s = curve
+            if a > 0 and b >= 0 and c >= -b and s >= 0:
+                return curve
+        # Never a pass for free, never cheaper with more rows: the mean, flat.
+        return np.array([moment[0] / gram[0, 0], 0.0, 0.0, 0.0])
 
     def observe_draft(self, strategy: str, steps: int, seconds: float) -> None:
         """A call of the drafting model `strategy` ran `steps` steps in `seconds`."""
@@ -174,17 +195,18 @@ class CostModel:
         return self.draft_calls[strategy]
 
     def fit(self) -> list[dict]:
-        """For each row count run: the mean of the passes run against the model now, and the
-        load-time timing (where that size was timed)."""
+        """For each shape run (rows, sequences): the mean of the passes run against the model
+        now, and the load-time timing (where that size was timed, alone)."""
         rows = []
-        for n, (count, total) in sorted(self.measured.items()):
-            timed = self.calibrated.get(n)
+        for (n, sequences), (count, total) in sorted(self.measured.items(), key=lambda item: item[0][::-1]):
+            timed = self.calibrated.get(n) if sequences == 1 else None
             rows.append(
                 {
                     "rows": n,
-                    "passes": count,
+                    "sequences": sequences,
+                    "passes": round(count, 3),
                     "measured_ms": 1e3 * total / count,
-                    "model_ms": 1e3 * self.pass_time(n),
+                    "model_ms": 1e3 * self.pass_time(n, sequences),
                     "timed_ms": None if timed is None else 1e3 * timed,
                 }
             )
@@ -227,10 +249,12 @@ class DecayedSums:
         self.gram = [0.0] * (size * size)
         self.moment = [0.0] * size
 
-    def observe(self, features: Sequence[float], value: float) -> None:
-        n = self.size
-        self.gram = [FIT_DECAY * g + features[i // n] * features[i % n] for i, g in enumerate(self.gram)]
-        self.moment = [FIT_DECAY * m + features[i] * value for i, m in enumerate(self.moment)]
+    def observe(self, features: Sequence[float], value: float, weight: float = 1.0) -> None:
+        """One observation, or a share of one (weight < 1: the older ones decay by as much)."""
+        n, decay = self.size, FIT_DECAY if weight == 1.0 else FIT_DECAY**weight
+        w = [weight * f for f in features]
+        self.gram = [decay * g + w[i // n] * features[i % n] for i, g in enumerate(self.gram)]
+        self.moment = [decay * m + w[i] * value for i, m in enumerate(self.moment)]
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray]:
         """Copies of (gram, moment) as numpy arrays, to add to and solve."""
@@ -241,9 +265,10 @@ def _prior_shape(rows: float) -> float:
     return 1.0 + PRIOR_SLOPE * (rows - 1)
 
 
-def _features(rows: float) -> tuple[float, float, float]:
-    """A pass's features in the cost fit: 1, its rows, and its rows past the knot."""
-    return 1.0, float(rows), max(0.0, rows - KNOT)
+def _features(rows: float, sequences: int = 1) -> tuple[float, float, float, float]:
+    """A pass's features in the cost fit: 1, its rows, its rows past the knot, and the
+    sequences beside the first."""
+    return 1.0, float(rows), max(0.0, rows - KNOT), float(sequences - 1)
 
 
 def _solve(gram: np.ndarray, moment: np.ndarray) -> np.ndarray:
@@ -373,6 +398,7 @@ class PolicyModels:
     acceptance: AcceptanceModel = field(default_factory=AcceptanceModel)
     records: dict[str, Record] = field(default_factory=dict)
     probe_every: dict[str, int] = field(default_factory=dict)  # drafting model -> idle steps before a probe
+    idle: Counter[str] = field(default_factory=Counter)  # drafting model -> passes since it last ran
     choices: Counter[tuple[str, int]] = field(default_factory=Counter)
     step_tokens: float = 0.0  # moving averages over all steps: tokens emitted, seconds taken
     step_seconds: float = 0.0
@@ -390,18 +416,50 @@ class PolicyModels:
         return models
 
 
+@dataclass(frozen=True)
+class PassLoad:
+    """What else the target pass a step's rows join holds (a batch): the other sequences'
+    rows and the sequences in all."""
+
+    other_rows: int = 0
+    sequences: int = 1
+
+
+ALONE = PassLoad()
+
+
+@dataclass(frozen=True)
+class PassShare:
+    """A step's part of a target pass shared with other sequences (a batch): the pass's rows
+    and sequences in all, and the share of the step's measured drafting time that was its own
+    (sequences that draft in one round wait on each other's turns: `specdecode.backends.gather`)."""
+
+    rows: int
+    sequences: int
+    drafting: float = 1.0
+
+
 class Stopper:
     """The drafting rule of one model draft (`strategies.base.KeepDrafting`): a token or tree
     node is drafted while its gain, the tokens it adds in expectation (its chance of being
     reached and kept) less what its draft step and verify row cost at the step's rate, is
     positive. Remembers the confidences of the chain tokens it let through."""
 
-    def __init__(self, models: PolicyModels, strategy: str, rate: float, source: str | None = None) -> None:
-        """source: the acceptance model's name for the strategy's drafts (`AdaptivePolicy.source`)."""
+    def __init__(
+        self,
+        models: PolicyModels,
+        strategy: str,
+        rate: float,
+        source: str | None = None,
+        load: PassLoad = ALONE,
+    ) -> None:
+        """source: the acceptance model's name for the strategy's drafts (`AdaptivePolicy.source`).
+        load: the rest of the pass the draft's rows join (a batch)."""
         self.models = models
         self.strategy = strategy
         self.source = source or strategy
         self.rate = rate  # tokens per second: what a second of this step is worth
+        self.load = load
         self.confidences: list[float] = []
         self._reach = 1.0  # P(every token so far kept)
 
@@ -421,7 +479,9 @@ class Stopper:
         a = acceptance.model_estimate(self.source, depth, confidence)
         bonus = EXPLORE / math.sqrt(1.0 + acceptance.seen(self.source, depth, confidence))
         costs = self.models.costs
-        seconds = costs.step_time(self.strategy) + costs.pass_time(nodes + 2) - costs.pass_time(nodes + 1)
+        rows, sequences = self.load.other_rows + nodes + 1, self.load.sequences  # the pass without this node
+        row = costs.pass_time(rows + 1, sequences) - costs.pass_time(rows, sequences)
+        seconds = costs.step_time(self.strategy) + row
         return parent_reach * a if parent_reach * min(1.0, a + bonus) > self.rate * seconds else None
 
 
@@ -432,7 +492,11 @@ class AdaptivePolicy:
     step's rate (`step_rate`: the tokens per second the policy has been achieving, plain
     generation's before any step, capped at the best this step's candidates offer).
     Maximising that is maximising the long-run rate (a renewal-reward argument); comparing
-    ratios step by step would stop good drafts early and let poor ones run on."""
+    ratios step by step would stop good drafts early and let poor ones run on.
+
+    In a batch (`load`, set each step), a candidate's pass seconds are those of the pass
+    holding the other sequences' rows too, so that candidates differ by what their rows add
+    to it, and `rate` is the batch's (see the module docstring)."""
 
     def __init__(self, models: PolicyModels, counterfactual: bool = False, regime: str | None = None) -> None:
         """counterfactual: whether a draft token that was not verified would have been kept
@@ -444,9 +508,17 @@ class AdaptivePolicy:
         self.models = models
         self.counterfactual = counterfactual
         self.regime = regime
-        self._idle: Counter[str] = Counter()  # drafting model -> steps since it was last run
         self._caught_up: set[str] = set()  # drafting models run in this generation
         self._watched: list[tuple[str, list[int], int]] = []  # (strategy, draft, tokens kept so far)
+        self.load = ALONE  # what else this step's pass holds
+
+    def pass_seconds(self, rows: float) -> float:
+        """Seconds of this step's target pass if this sequence puts `rows` rows in it."""
+        return self.models.costs.pass_time(self.load.other_rows + rows, self.load.sequences)
+
+    def _own_seconds(self, rows: float) -> float:
+        """Its rows' share of that pass: what the step is credited with (`observe`)."""
+        return self.pass_seconds(rows) * rows / (self.load.other_rows + rows)
 
     def expected(self, strategy: str, n_tokens: int) -> list[float]:
         """E_k for k = 0..n_tokens of a model-free draft of n_tokens by `strategy`."""
@@ -459,25 +531,24 @@ class AdaptivePolicy:
         model's record). Valued at a rate no candidate reaches here (the previous text's long
         copies, say), every candidate would look poor and the cheapest would win; but the text
         is what it is for a while yet, and its next tokens must be made at the rates it offers."""
-        costs = self.models.costs
-        recent = self.models.rate if self.models.rate is not None else 1.0 / costs.pass_time(1)
-        best = 1.0 / (t_sunk + costs.pass_time(1))
+        recent = self.models.rate if self.models.rate is not None else 1.0 / self._own_seconds(1)
+        best = 1.0 / (t_sunk + self._own_seconds(1))
         for values in expected.values():
-            best = max(best, *(e / (t_sunk + costs.pass_time(k + 1)) for k, e in enumerate(values)))
+            best = max(best, *(e / (t_sunk + self._own_seconds(k + 1)) for k, e in enumerate(values)))
         for strategy in models:
             record = self.models.records.get(self.source(strategy))
             if record is not None:
-                best = max(best, record.tokens / self._model_seconds(strategy, record, t_sunk))
+                seconds = t_sunk + self._draft_seconds(strategy, record) + self._own_seconds(record.rows)
+                best = max(best, record.tokens / seconds)
         return min(recent, best)
 
     def plain_gain(self, t_sunk: float, rate: float) -> float:
-        return 1.0 - rate * (t_sunk + self.models.costs.pass_time(1))
+        return 1.0 - rate * (t_sunk + self.pass_seconds(1))
 
     def best_length(self, expected: list[float], t_sunk: float, rate: float) -> tuple[int, float]:
         """The prefix length of a model-free draft whose E_k are `expected` with the best gain at
         `rate`, and that gain (0 tokens: a plain step)."""
-        costs = self.models.costs
-        gains = [e - rate * (t_sunk + costs.pass_time(k + 1)) for k, e in enumerate(expected)]
+        gains = [e - rate * (t_sunk + self.pass_seconds(k + 1)) for k, e in enumerate(expected)]
         best = max(range(len(gains)), key=lambda k: (gains[k], -k))
         return best, gains[best]
 
@@ -487,18 +558,19 @@ class AdaptivePolicy:
         record = self.models.records.get(self.source(strategy))
         if record is None or self._probing(strategy):
             return float("inf")
-        return record.tokens - rate * self._model_seconds(strategy, record, t_sunk)
+        seconds = t_sunk + self._draft_seconds(strategy, record) + self.pass_seconds(record.rows)
+        return record.tokens - rate * seconds
 
-    def _model_seconds(self, strategy: str, record: Record, t_sunk: float) -> float:
-        costs = self.models.costs
-        return t_sunk + costs.draft_time(strategy, record.rows) + costs.pass_time(record.rows)
+    def _draft_seconds(self, strategy: str, record: Record) -> float:
+        return self.models.costs.draft_time(strategy, record.rows)
 
     def source(self, strategy: str) -> str:
         """The name the acceptance model and the records know `strategy`'s drafts by here."""
         return strategy if self.regime is None else f"{strategy} ({self.regime})"
 
     def _probing(self, strategy: str) -> bool:
-        return self._idle[strategy] >= self.models.probe_every.get(self.source(strategy), PROBE_EVERY)
+        source = self.source(strategy)
+        return self.models.idle[source] >= self.models.probe_every.get(source, PROBE_EVERY)
 
     def stopper(self, strategy: str, rate: float) -> Stopper:
         """The stopping rule of `strategy`'s draft, which runs now. A run that is only a
@@ -510,12 +582,15 @@ class AdaptivePolicy:
             waits[source] = min(MAX_PROBE_EVERY, 2 * waits.get(source, PROBE_EVERY))
         else:
             waits[source] = PROBE_EVERY
-        self._idle[strategy] = 0
-        return Stopper(self.models, strategy, rate, source)
+        self.models.idle[source] = 0
+        return Stopper(self.models, strategy, rate, source, self.load)
 
     def skipped(self, strategies: list[str]) -> None:
+        """These drafting models sat this step out: a pass more without them, counted in
+        shares in a batch, whose every sequence steps in each pass (a probe stalls the whole
+        pass, so a batch must not probe more often than one sequence does)."""
         for strategy in strategies:
-            self._idle[strategy] += 1
+            self.models.idle[self.source(strategy)] += 1.0 / self.load.sequences
 
     def observe(
         self,
@@ -528,17 +603,23 @@ class AdaptivePolicy:
         model_steps: int,
         t_model: float,
         parents: Sequence[int] | None = None,
+        share: PassShare | None = None,
     ) -> None:
         """One verified step: `strategy`'s draft (None: a plain step) of len(confidences) nodes,
         a chain or (parents) a tree, whose nodes `path` were kept, drafted in t_draft seconds
         and verified in a pass of t_pass; `model` is the drafting model run this step (if
-        any), in model_steps steps taking t_model seconds. A model-free chain is left to
-        `watch` where verification is counterfactual."""
+        any), in model_steps steps taking t_model seconds; `share`: the batch the pass and the
+        drafting were shared with (None: alone). A model-free chain is left to `watch` where
+        verification is counterfactual."""
         models = self.models
+        own_rows = len(confidences) + 1
+        rows, sequences = (own_rows, 1) if share is None else (share.rows, share.sequences)
+        if share is not None:  # the drafting time that was this sequence's own
+            t_draft, t_model = t_draft * share.drafting, t_model * share.drafting
         weight = EMA if models.step_seconds > 0 else 1.0
         models.step_tokens += weight * (1.0 + len(path) - models.step_tokens)
-        models.step_seconds += weight * (t_draft + t_pass - models.step_seconds)
-        models.costs.observe_pass(len(confidences) + 1, t_pass)
+        models.step_seconds += weight * (t_draft + t_pass * own_rows / rows - models.step_seconds)
+        models.costs.observe_pass(rows, t_pass, sequences, own_rows / rows)
         shape = "tree" if parents is not None else ""
         models.choices[(f"{strategy} {shape}".strip() if strategy else "none", len(confidences))] += 1
         if strategy is not None and (strategy == model or not self.counterfactual):

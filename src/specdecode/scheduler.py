@@ -6,10 +6,12 @@ them at once, what `Generation.step` does for one:
 
 1. sequences that were cancelled leave; at most one prompt chunk of a newly joined sequence
    is evaluated (prompts enter a chunk per step, so a long prompt does not stall the others);
-2. every decoding sequence drafts with its own chain (`Generation.plan`), capped by the
-   `LoadRule`: the more rows share a pass, the dearer a draft token, so drafts shorten, and
-   vanish, as the batch grows; and the `SpeculationGate` lets a batch draft only while
-   drafting steps measure faster than plain ones;
+2. every decoding sequence drafts with its own chain (`Generation.plan`): the more rows share
+   a pass, the dearer a draft token, so drafts shorten, and vanish, as the batch grows. The
+   adaptive policy prices rows so by itself (`specdecode.policy`, told what else each pass
+   holds, a `PassLoad`, and after it its share, a `PassShare`); classic chains are capped by
+   the `LoadRule`. For both, the `SpeculationGate` lets a batch draft only while drafting
+   steps measure faster than plain ones;
 3. one target pass scores every sequence's rows (`evaluate_groups`);
 4. each sequence verifies, accepts and rolls back on its own (`Generation.finish`) and hands
    its chunk to its consumer; finished sequences leave, and new ones may join before the
@@ -36,7 +38,7 @@ from specdecode.backends import Backend
 from specdecode.backends.batch import evaluate_each
 from specdecode.backends.gather import DraftPasses, outcome
 from specdecode.generate import Chunk, Generation, StepPlan
-from specdecode.policy import CostModel
+from specdecode.policy import CostModel, PassLoad, PassShare
 
 BATCH_CALIBRATION_ROWS = (1, 2, 4, 8, 16, 32, 64)
 ACCEPTANCE_PRIOR = 0.6  # P(draft token kept | its parent was) before any sequence drafted
@@ -62,6 +64,7 @@ class Entry:
     # [kept, tried] decayed counts of draft tokens reached by verification (see LoadRule).
     counts: list[float] = field(default_factory=lambda: [0.0, 0.0])
     steps_without_draft: int = 0
+    rows: int = 1  # rows it put in the last pass (1 before any: a plain step's)
 
     @property
     def done(self) -> bool:
@@ -105,8 +108,8 @@ class LoadRule:
 
     def max_draft(self, batch: int, acceptance: float, draft_seconds: float) -> int | None:
         """The most draft tokens worth their price (None: no cap, every token pays)."""
-        pass_time = self.costs.pass_time(batch)
-        slope = max(0.0, self.costs.pass_time(batch + 1) - pass_time)
+        pass_time = self.costs.pass_time(batch, batch)
+        slope = max(0.0, self.costs.pass_time(batch + 1, batch) - pass_time)
         price = (slope + draft_seconds) * batch / pass_time
         if price <= 0.0 or (acceptance >= 1.0 and price < 1.0):
             return None
@@ -182,8 +185,15 @@ class BatchEngine:
         rule: LoadRule | None = None,
         on_pass: Callable[[PassRecord], None] | None = None,
         draft_passes: DraftPasses | None = None,
+        gate: bool | None = None,
     ) -> None:
-        """rule: caps drafts under load (None: drafts as the chains choose, whatever the batch).
+        """rule: caps classic chains' drafts under load (None: drafts as the chains choose,
+        which the adaptive policy does knowing the batch).
+        gate: whether a `SpeculationGate` decides each step if the batch drafts at all (None:
+        with the rule). The adaptive policy's costs are of passes and draft calls; a drafting
+        round in a batch also pays hand-offs between the sequences' threads and the stall
+        while one sequence catches its draft model up or probes it, which only measuring
+        steps sees.
         draft_passes: the rounds that batch the sequences' drafting models, when their
         pipelines were forked with it (`Pipeline.fork(draft_passes=...)`); None: each
         sequence drafts in turn."""
@@ -193,7 +203,7 @@ class BatchEngine:
         self.entries: list[Entry] = []
         self.draft_token_seconds = 0.0  # moving average: drafting time per drafted token
         self.counts = [0.0, 0.0]  # [kept, tried] draft tokens of every sequence, decayed
-        self.gate = SpeculationGate() if rule is not None else None
+        self.gate = SpeculationGate() if (rule is not None if gate is None else gate) else None
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -260,7 +270,8 @@ class BatchEngine:
     def _decode_step(self, decoding: list[Entry], drafting: bool) -> int:
         """Plan, one shared pass, finish; returns the tokens emitted."""
         plans: list[tuple[Entry, StepPlan]] = []
-        for entry, plan in zip(decoding, self._plan(decoding, drafting), strict=True):
+        planned, t_round = self._plan(decoding, drafting)
+        for entry, plan in zip(decoding, planned, strict=True):
             if isinstance(plan, BaseException):
                 entry.error = plan
             elif plan is not None:
@@ -275,17 +286,24 @@ class BatchEngine:
         seconds = time.perf_counter() - start
         rows = sum(len(plan.rows) for _, plan in plans)
         if self.rule is not None:
-            self.rule.costs.observe_pass(rows, seconds)
+            self.rule.costs.observe_pass(rows, seconds, len(plans))
         if self.on_pass is not None:
             self.on_pass(PassRecord(len(plans), rows, seconds))
+        # The sequences' drafting overlapped in the round (each waits on the others' turns):
+        # each is credited with its part of the round's seconds.
+        t_drafting = sum(plan.t_draft for _, plan in plans)
+        share = PassShare(rows, len(plans), min(1.0, t_round / t_drafting) if t_drafting > 0 else 1.0)
         emitted = 0
         for (entry, plan), scored in zip(plans, logits, strict=True):
             if isinstance(scored, BaseException):
                 entry.error = scored
                 continue
-            chunk = self._guarded(entry, lambda e=entry, p=plan, s=scored: e.generation.finish(p, s, seconds))
+            chunk = self._guarded(
+                entry, lambda e=entry, p=plan, s=scored: e.generation.finish(p, s, seconds, share)
+            )
             if chunk is not None:
                 emitted += len(chunk.tokens)
+                entry.rows = len(plan.rows)
                 if drafting:
                     entry.observe(len(plan.draft.tokens), chunk.n_accepted)
                 if plan.draft.tokens:
@@ -293,22 +311,28 @@ class BatchEngine:
                 self._deliver(entry, chunk)
         return emitted
 
-    def _plan(self, decoding: list[Entry], drafting: bool) -> list:
+    def _plan(self, decoding: list[Entry], drafting: bool) -> tuple[list, float]:
         """Every sequence's StepPlan (None: its context is full; an exception: it failed), in
-        one round when the drafting models are batched; and what a drafted token cost.
-        drafting False: plain steps for all."""
+        one round when the drafting models are batched, and the round's seconds; and what a
+        drafted token cost. drafting False: plain steps for all."""
         caps = [self._cap(entry, len(decoding)) if drafting else 0 for entry in decoding]
-        jobs = [partial(entry.generation.plan, cap) for entry, cap in zip(decoding, caps, strict=True)]
+        # The rest of the pass, for the adaptive policy: the others' rows as in their last one.
+        rows = sum(entry.rows for entry in decoding)
+        loads = [PassLoad(rows - entry.rows, len(decoding)) for entry in decoding]
+        jobs = [
+            partial(entry.generation.plan, cap, load)
+            for entry, cap, load in zip(decoding, caps, loads, strict=True)
+        ]
         start = time.perf_counter()
         if self.draft_passes is not None and sum(cap != 0 for cap in caps) > 1:
             plans = self.draft_passes.round(jobs)
         else:
             plans = [outcome(job) for job in jobs]
+        seconds = time.perf_counter() - start
         drafted = sum(len(p.draft.tokens) for p in plans if isinstance(p, StepPlan))
         if drafted:
-            seconds = (time.perf_counter() - start) / drafted
-            self.draft_token_seconds += DRAFT_COST_EMA * (seconds - self.draft_token_seconds)
-        return plans
+            self.draft_token_seconds += DRAFT_COST_EMA * (seconds / drafted - self.draft_token_seconds)
+        return plans, seconds
 
     def _cap(self, entry: Entry, batch: int) -> int | None:
         """A sequence alone drafts as its chain chooses (its policy, classic or adaptive)."""

@@ -120,12 +120,15 @@ def policy_lines(name: str, summary: dict) -> list[str]:
         cells = ", ".join(f"{length}: {count}" for length, count in sorted(lengths.items()))
         lines.append(f"  {strategy:<14} {sum(lengths.values()):5d} steps  ({cells})")
     fit = [
-        f"T={row['rows']} {row['measured_ms']:.1f}/{row['model_ms']:.1f}"
+        f"T={row['rows']}"
+        + (f"/S={row['sequences']}" if row["sequences"] > 1 else "")
+        + f" {row['measured_ms']:.1f}/{row['model_ms']:.1f}"
         + ("" if row["timed_ms"] is None else f"/{row['timed_ms']:.1f}")
         for row in summary["cost_fit"]
     ]
     lines.append(
-        "  ms per pass of T rows, measured mean / cost model at the end / timed at load: " + ", ".join(fit)
+        "  ms per pass of T rows (of S sequences), measured mean / cost model at the end / timed at load: "
+        + ", ".join(fit)
     )
     return lines
 

@@ -9,7 +9,10 @@ A closed loop of C clients, each sending its next request as soon as its last on
 - `batched`: plain generation through the `BatchEngine`: one target pass a step for every
   running request;
 - `batched:STRATEGIES`: batched speculation with that chain (e.g. `batched:draft`,
-  `batched:ngram-mod`), drafts shortened under load by the `LoadRule`.
+  `batched:ngram-mod`), drafts shortened under load by the `LoadRule`;
+- `batched:STRATEGIES@adaptive`: the same chain under the adaptive policy, which prices each
+  draft at what its rows add to the batch's pass (its models learn across the runs at one
+  concurrency, as a server's would across requests).
 
 For each concurrency, every system runs back to back, so that the ratios printed compare runs
 made minutes apart at most on a machine whose load drifts. Every answer of every system is
@@ -34,6 +37,7 @@ from specdecode.api import Pipeline
 from specdecode.backends.gather import DraftPasses
 from specdecode.backends.hf import LoadOptions
 from specdecode.backends.load import load_backend
+from specdecode.bench.systems import ADAPTIVE
 from specdecode.bench.tasks import build_tasks
 from specdecode.defaults import resolve_models
 from specdecode.errors import SpecdecodeError
@@ -82,6 +86,7 @@ class Level:
     latencies: list[float]
     exact: int  # answers equal to the `threads` answer to the same request
     mean_batch: float  # sequences per target pass (1 for threads)
+    drafted: float = 0.0  # draft tokens a sequence's step, over all requests
 
     def row(self) -> dict:
         ordered = sorted(self.latencies)
@@ -94,6 +99,7 @@ class Level:
             "tokens_per_second": self.tokens / self.seconds,
             "p50_s": statistics.median(ordered),
             "p99_s": ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))],
+            "draft_tokens_per_step": self.drafted,
             "exact": self.exact,
             "mean_batch": self.mean_batch,
         }
@@ -146,9 +152,15 @@ def run(args: argparse.Namespace) -> None:
 
 def _pipeline(name: str, target, draft, draft_config: DraftModelConfig) -> Pipeline:
     spec = name.partition(":")[2]
+    adaptive = spec.endswith(ADAPTIVE)
+    spec = spec.removesuffix(ADAPTIVE)
     spec_types = [s for s in spec.replace("+", ",").split(",") if s] if spec else []
     return Pipeline(
-        target, draft if "draft" in spec_types else None, spec_types=spec_types, draft_config=draft_config
+        target,
+        draft if "draft" in spec_types else None,
+        spec_types=spec_types,
+        draft_config=draft_config,
+        spec_policy="adaptive" if adaptive else "classic",
     )
 
 
@@ -165,9 +177,9 @@ def _measure(
     models = pipeline.draft is not None or pipeline.eagle3 is not None
     passes = DraftPasses() if models else None
     seats = [pipeline.fork(passes) for _ in range(concurrency)]
-    return _batched(
-        name, BatchEngine(rule if pipeline.spec_types else None, draft_passes=passes), seats, requests, config
-    )
+    classic = pipeline.spec_types and pipeline.policy_models is None
+    engine = BatchEngine(rule if classic else None, draft_passes=passes, gate=bool(pipeline.spec_types))
+    return _batched(name, engine, seats, requests, config)
 
 
 def _threads(
@@ -213,6 +225,7 @@ def _batched(
     answers: list[list[int]] = [[] for _ in requests]
     began: dict[int, float] = {}
     latencies: list[float] = []
+    drafted = steps = 0
 
     def start(seat: Pipeline, index: int) -> Generation:
         began[index] = time.perf_counter()
@@ -221,22 +234,26 @@ def _batched(
     def done(index: int, entry: Entry) -> None:
         if entry.error is not None:
             raise entry.error
+        nonlocal drafted, steps
         latencies.append(time.perf_counter() - began[index])
         answers[index] = entry.generation.tokens
+        drafted += entry.generation.stats.totals.n_drafted
+        steps += entry.generation.stats.n_passes
 
     first = time.perf_counter()
     engine.run(seats, len(requests), start, done)
     seconds = time.perf_counter() - first
     tokens = sum(len(a) for a in answers)
     mean_batch = sum(passes) / len(passes) if passes else 0.0
-    return Level(name, len(seats), len(requests), tokens, seconds, latencies, 0, mean_batch), answers
+    level = Level(name, len(seats), len(requests), tokens, seconds, latencies, 0, mean_batch, drafted / steps)
+    return level, answers
 
 
 def _line(row: dict) -> str:
     return (
         f"C={row['concurrency']:<3d} {row['system']:<22s} {row['tokens_per_second']:8.1f} tok/s  "
         f"p50 {row['p50_s']:6.2f} s  p99 {row['p99_s']:6.2f} s  batch {row['mean_batch']:5.2f}  "
-        f"exact {row['exact']}/{row['requests']}"
+        f"drafted {row['draft_tokens_per_step']:5.2f}/step  exact {row['exact']}/{row['requests']}"
     )
 
 

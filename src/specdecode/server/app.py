@@ -116,7 +116,7 @@ class Service:
         rule = pipeline.load_rule() if pipeline.spec_types else None
         passes = DraftPasses() if pipeline.draft is not None or pipeline.eagle3 is not None else None
         forks = [pipeline.fork(passes) for _ in range(settings.parallel)]
-        self.slots = SlotPool(forks, self.metrics, rule, passes)
+        self.slots = SlotPool(forks, self.metrics, rule, passes, gate=bool(pipeline.spec_types))
         tokenizer = pipeline.target.tokenizer
         self.tokenizers = Tokenizers(tokenizer, settings.parallel, self.n_ctx)
         self.n_texts = len(tokenizer)  # ids the tokenizer can decode

@@ -103,9 +103,12 @@ class SlotPool:
         metrics: Metrics,
         rule: LoadRule | None = None,
         draft_passes: DraftPasses | None = None,
+        gate: bool | None = None,
     ) -> None:
         """rule: how drafts shorten as more generations share a pass (None: they do not).
-        draft_passes: what the pipelines were forked with to batch their draft models."""
+        draft_passes: what the pipelines were forked with to batch their draft models.
+        gate: whether the batch drafts only while drafting steps measure faster (None: with
+        the rule; see `BatchEngine`)."""
         self.slots = [Slot(index, pipeline) for index, pipeline in enumerate(pipelines)]
         self.size = len(self.slots)
         self.closing = False
@@ -114,7 +117,7 @@ class SlotPool:
         self._runs: set[Run] = set()
         self._tasks = itertools.count()
         self._metrics = metrics
-        self._engine = BatchEngine(rule, on_pass=self._record_pass, draft_passes=draft_passes)
+        self._engine = BatchEngine(rule, on_pass=self._record_pass, draft_passes=draft_passes, gate=gate)
         self._joining: deque[tuple[Run, Callable[[object], None], Callable[[], None]]] = deque()
         self._running: dict[int, tuple[Run, Callable[[object], None], Callable[[], None]]] = {}
         self._wake = threading.Condition()
