@@ -23,7 +23,7 @@ from specdecode.backends.gather import DraftPasses, GatheredBackend
 from specdecode.backends.native import NativeBackend
 from specdecode.constraints import ConstraintSpec
 from specdecode.errors import SpecdecodeError
-from specdecode.policy import CostModel, PolicyModels
+from specdecode.policy import ALONE, CostModel, PassLoad, PolicyModels
 from specdecode.scheduler import BatchEngine, LoadRule, PassRecord, SpeculationGate
 from specdecode.testing import make_llama, perturbed_copy
 
@@ -445,3 +445,40 @@ def test_the_adaptive_policy_learns_each_shared_pass_once_at_its_shape():
     for shape, count in shapes.items():
         assert measured[shape][0] == pytest.approx(count)
     assert any(sequences > 1 for _, sequences in shapes)
+
+
+def test_each_sequence_plans_knowing_the_rest_of_the_pass():
+    """Every sequence is told what else its pass will hold: the other sequences' rows as in the
+    previous pass (one for a sequence that has not been in one) and the sequences in all."""
+    draft_backend = NativeBackend(draft("float64"), cached_tokenizer())
+    front = Pipeline(
+        native("float64"),
+        draft_backend,
+        spec_types=["draft"],
+        spec_policy="adaptive",
+        policy_models=cpu_policy(),
+    )
+    engine = BatchEngine()
+    loads: list[list[PassLoad]] = []
+    entries = []
+    for prompt in prompts(3):
+        generation = front.fork().stream(prompt, GREEDY, GenerationConfig(n_predict=10))
+        plan = generation.plan
+
+        def recording(cap=None, load=ALONE, plan=plan):
+            loads[-1].append(load)
+            return plan(cap, load)
+
+        generation.plan = recording
+        entries.append(engine.add(generation, lambda chunk: None))
+    rows = [1, 1, 1]
+    while len(engine):
+        loads.append([])
+        planned = len(engine.entries)
+        engine.step()
+        if len(loads[-1]) == planned == 3:
+            assert loads[-1] == [PassLoad(sum(rows) - own, 3) for own in rows]
+        rows = [entry.rows for entry in entries]
+    assert any(load.other_rows > 2 for step in loads for load in step)  # someone drafted
+    assert BatchEngine().gate is None and BatchEngine(gate=True).gate is not None
+    assert BatchEngine(LoadRule(CostModel())).gate is not None  # with the rule, as before

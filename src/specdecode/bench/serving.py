@@ -46,7 +46,9 @@ from specdecode.sampling import SamplingParams
 from specdecode.scheduler import BatchEngine, Entry, LoadRule
 from specdecode.strategies import DraftModelConfig
 
-DEFAULT_SYSTEMS = "threads,batched,batched:draft,batched:ngram-mod"
+DEFAULT_SYSTEMS = (
+    "threads,batched,batched:draft,batched:draft@adaptive,batched:ngram-mod,batched:ngram-mod@adaptive"
+)
 GREEDY = SamplingParams(temperature=0)
 
 
