@@ -267,5 +267,6 @@ class _Step:
             self.t_model,
             parents=draft.parents,
             share=share,
+            sure=None if self.stopper is None else self.stopper.sure,
         )
         policy.watch(self.drafts, emitted)
