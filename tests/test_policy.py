@@ -329,25 +329,6 @@ def test_the_stopper_tries_doubtful_tokens_it_knows_nothing_of_and_learns_they_a
     assert stopper(1, 0.15) and stopper(2, 0.15)  # depth 2, never seen, starts from the bucket
 
 
-def test_a_probe_drafts_only_what_pays_without_optimism_and_records_count_no_exploring():
-    """A probe asks whether the model pays now: it drafts no doubtful token on optimism. A run
-    that explored is recorded as if cut where optimism began: the explored tokens were
-    drafted to learn about them, not because they paid."""
-    models = PolicyModels(costs=cpu_costs())
-    rate = 1 / 0.008
-    assert not Stopper(models, "draft", rate, explore=False)(1, 0.15)
-    stopper = Stopper(models, "draft", rate)
-    assert stopper(1, 0.95) and stopper(2, 0.15)
-    assert stopper.sure == 1  # the doubtful second token went through on optimism
-    policy = AdaptivePolicy(models)
-    policy.observe("draft", [0.95, 0.15], [0], 0.003, 0.014, "draft", 3, 0.003, sure=1)
-    record = models.records["draft"]  # the first token kept: cut there, 2 tokens from 2 rows
-    assert (record.tokens, record.rows) == (pytest.approx(2.0), pytest.approx(2.0))
-    policy.stopper("draft", rate)  # run because it wins: explores
-    models.idle["draft"] = 100
-    assert not policy.stopper("draft", rate).explore  # a probe does not
-
-
 def test_the_stopper_stops_when_draft_steps_cost_more_than_they_bring():
     models = PolicyModels(costs=cpu_costs(draft_step=0.012))  # a draft as slow as the target
     assert not Stopper(models, "draft", 1 / 0.012)(1, 0.6)

@@ -267,6 +267,5 @@ class _Step:
             self.t_model,
             parents=draft.parents,
             share=share,
-            sure=None if self.stopper is None else self.stopper.sure,
         )
         policy.watch(self.drafts, emitted)

@@ -443,8 +443,7 @@ class Stopper:
     """The drafting rule of one model draft (`strategies.base.KeepDrafting`): a token or tree
     node is drafted while its gain, the tokens it adds in expectation (its chance of being
     reached and kept) less what its draft step and verify row cost at the step's rate, is
-    positive. Remembers the confidences of the chain tokens it let through, and how many of
-    the first ones it would have let through without optimism (`sure`)."""
+    positive. Remembers the confidences of the chain tokens it let through."""
 
     def __init__(
         self,
@@ -453,28 +452,21 @@ class Stopper:
         rate: float,
         source: str | None = None,
         load: PassLoad = ALONE,
-        explore: bool = True,
     ) -> None:
         """source: the acceptance model's name for the strategy's drafts (`AdaptivePolicy.source`).
-        load: the rest of the pass the draft's rows join (a batch). explore: whether doubtful
-        tokens get the optimism (not in a probe, which asks whether the model pays now)."""
+        load: the rest of the pass the draft's rows join (a batch)."""
         self.models = models
         self.strategy = strategy
         self.source = source or strategy
         self.rate = rate  # tokens per second: what a second of this step is worth
         self.load = load
-        self.explore = explore
         self.confidences: list[float] = []
-        self.sure = 0  # the first chain tokens that gained without optimism
         self._reach = 1.0  # P(every token so far kept)
-        self._sure = False  # whether the last node decided on gained without optimism
 
     def __call__(self, depth: int, confidence: float) -> bool:
         reach = self.node(self._reach, depth, confidence, depth - 1)
         if reach is None:
             return False
-        if self._sure and self.sure == depth - 1:
-            self.sure = depth
         self._reach = reach
         self.confidences.append(confidence)
         return True
@@ -485,19 +477,12 @@ class Stopper:
         kept more often than their confidence says (small drafts are underconfident)."""
         acceptance = self.models.acceptance
         a = acceptance.model_estimate(self.source, depth, confidence)
+        bonus = EXPLORE / math.sqrt(1.0 + acceptance.seen(self.source, depth, confidence))
         costs = self.models.costs
         rows, sequences = self.load.other_rows + nodes + 1, self.load.sequences  # the pass without this node
         row = costs.pass_time(rows + 1, sequences) - costs.pass_time(rows, sequences)
-        price = self.rate * (costs.step_time(self.strategy) + row)
-        self._sure = parent_reach * a > price
-        if self._sure:
-            return parent_reach * a
-        bonus = (
-            EXPLORE / math.sqrt(1.0 + acceptance.seen(self.source, depth, confidence))
-            if self.explore
-            else 0.0
-        )
-        return parent_reach * a if parent_reach * min(1.0, a + bonus) > price else None
+        seconds = costs.step_time(self.strategy) + row
+        return parent_reach * a if parent_reach * min(1.0, a + bonus) > self.rate * seconds else None
 
 
 class AdaptivePolicy:
@@ -591,16 +576,14 @@ class AdaptivePolicy:
         """The stopping rule of `strategy`'s draft, which runs now. A run that is only a
         probe doubles the wait before the next one (up to MAX_PROBE_EVERY steps): where the
         model keeps losing, probing it every few steps would cost more than it finds. The wait
-        is kept across generations, as the records are. A probe drafts only what pays without
-        optimism: it asks whether the model pays now, not what its doubtful tokens are worth."""
+        is kept across generations, as the records are."""
         source, waits = self.source(strategy), self.models.probe_every
-        probe = self._probing(strategy) and source in self.models.records
-        if probe:
+        if self._probing(strategy) and source in self.models.records:
             waits[source] = min(MAX_PROBE_EVERY, 2 * waits.get(source, PROBE_EVERY))
         else:
             waits[source] = PROBE_EVERY
         self.models.idle[source] = 0
-        return Stopper(self.models, strategy, rate, source, self.load, explore=not probe)
+        return Stopper(self.models, strategy, rate, source, self.load)
 
     def skipped(self, strategies: list[str]) -> None:
         """These drafting models sat this step out: a pass more without them, counted in
@@ -621,16 +604,13 @@ class AdaptivePolicy:
         t_model: float,
         parents: Sequence[int] | None = None,
         share: PassShare | None = None,
-        sure: int | None = None,
     ) -> None:
         """One verified step: `strategy`'s draft (None: a plain step) of len(confidences) nodes,
         a chain or (parents) a tree, whose nodes `path` were kept, drafted in t_draft seconds
         and verified in a pass of t_pass; `model` is the drafting model run this step (if
         any), in model_steps steps taking t_model seconds; `share`: the batch the pass and the
-        drafting were shared with (None: alone); `sure`: how many of the model's chain tokens
-        its rule let through without optimism. The model's record is what the step gave cut
-        there (the tokens past it were drafted to learn about them, not because they paid). A
-        model-free chain is left to `watch` where verification is counterfactual."""
+        drafting were shared with (None: alone). A model-free chain is left to `watch` where
+        verification is counterfactual."""
         models = self.models
         own_rows = len(confidences) + 1
         rows, sequences = (own_rows, 1) if share is None else (share.rows, share.sequences)
@@ -652,8 +632,6 @@ class AdaptivePolicy:
                 models.costs.observe_draft(model, model_steps, t_model)
             self._caught_up.add(model)
             tokens, rows = 1.0 + len(path), len(confidences) + 1  # whoever drafted: what running it gave
-            if strategy == model and parents is None and sure is not None:
-                tokens, rows = 1.0 + min(len(path), sure), sure + 1
             models.records.setdefault(self.source(model), Record()).update(tokens, rows)
 
     def watch(self, drafts: dict[str, list[int]], emitted: Sequence[int]) -> None:
