@@ -243,8 +243,10 @@ def test_bench_serve_compares_threads_with_batching_and_checks_every_answer(pair
     argv = ["bench-serve", "-m", str(target), "-md", str(draft), "--concurrency", "1,3", "--requests", "1"]
     assert main([*argv, "-n", "6", "--prompts", "2", "--out", str(out), "--dtype", "float32"]) == 0
     rows = json.loads((out / "results.json").read_text())["rows"]
-    systems = ["threads", "batched", "batched:draft", "batched:ngram-mod"]
+    systems = ["threads", "batched", "batched:draft", "batched:draft@adaptive", "batched:ngram-mod"]
+    systems.append("batched:ngram-mod@adaptive")
     assert [(r["system"], r["concurrency"]) for r in rows] == [(s, c) for c in (1, 3) for s in systems]
+    assert all(r["draft_tokens_per_step"] == 0 for r in rows if ":" not in r["system"])
     assert all(r["exact"] == r["requests"] and r["tokens"] == 6 * r["requests"] for r in rows)
     assert max(r["mean_batch"] for r in rows if r["system"] == "batched") > 1
     assert (out / "serving.png").is_file() and "C=3" in (out / "serving.md").read_text()
