@@ -247,7 +247,8 @@ def _batched(
     seconds = time.perf_counter() - first
     tokens = sum(len(a) for a in answers)
     mean_batch = sum(passes) / len(passes) if passes else 0.0
-    level = Level(name, len(seats), len(requests), tokens, seconds, latencies, 0, mean_batch, drafted / steps)
+    per_step = drafted / steps if steps else 0.0  # -n 1: the prompt's pass makes every token
+    level = Level(name, len(seats), len(requests), tokens, seconds, latencies, 0, mean_batch, per_step)
     return level, answers
 
 
