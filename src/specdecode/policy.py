@@ -110,7 +110,7 @@ class CostModel:
         self._sums = DecayedSums(4)  # over the passes run, features _features(T, S)
         self._curve: tuple[float, float, float, float] | None = None  # (a, b, c, s)
         self._stale = 0.0  # passes observed since the last fit
-        self._times: dict[tuple[int, int], float] = {}  # (rows, sequences) -> pass_time now
+        self._times: dict[tuple[float, int], float] = {}  # (rows, sequences) -> pass_time now
 
     def calibrate(self, backend: Backend, rows: tuple[int, ...] = CALIBRATION_ROWS) -> None:
         """Time passes of each row count after a short context (a few reps, the median), leaving
@@ -141,7 +141,7 @@ class CostModel:
         count_total[0] += weight
         count_total[1] += weight * seconds
 
-    def pass_time(self, rows: int, sequences: int = 1) -> float:
+    def pass_time(self, rows: float, sequences: int = 1) -> float:
         """Seconds of a pass of `rows` rows of `sequences` sequences (asked for many lengths
         every step: remembered until the next refit, every REFIT_EVERY passes run)."""
         if self._curve is None or self._stale >= REFIT_EVERY:
@@ -150,8 +150,9 @@ class CostModel:
             self._times = {}
         key = (rows, sequences)
         if key not in self._times:
-            a, b, c, s = self._curve
-            self._times[key] = a + b * rows + c * max(0.0, rows - KNOT) + s * (sequences - 1)
+            self._times[key] = sum(
+                v * f for v, f in zip(self._curve, _features(rows, sequences), strict=True)
+            )
         return self._times[key]
 
     def _fit(self) -> np.ndarray:
