@@ -384,7 +384,7 @@ class CpuCosts(CostModel):
     def observe_pass(self, rows: int, seconds: float, sequences: int = 1, weight: float = 1.0) -> None:
         """Held fixed."""
 
-    def observe_draft(self, strategy: str, steps: int, seconds: float) -> None:
+    def observe_draft(self, strategy: str, steps: int, seconds: float, missed: int) -> None:
         """Held fixed."""
 
 

@@ -16,7 +16,9 @@ from specdecode.chain import Chain
 from specdecode.cli import build_parser
 from specdecode.errors import SpecdecodeError
 from specdecode.policy import (
+    MAX_PROBE_EVERY,
     PRIOR_WEIGHT,
+    PROBE_NODES,
     AcceptanceModel,
     AdaptivePolicy,
     CostModel,
@@ -173,25 +175,28 @@ def test_calibration_times_every_row_count_and_leaves_the_cache_empty(zoo):
     assert target.tokens == []
 
 
-def test_draft_calls_are_a_line_in_their_steps():
+def test_draft_calls_are_a_line_in_their_steps_and_the_tokens_they_missed():
     costs = CostModel()
     costs.calibrated[1] = 0.01
-    assert costs.draft_time("draft", 2) == pytest.approx(0.002)  # prior: a tenth of a pass a step
+    assert costs.draft_time("draft", 2, 1) == pytest.approx(0.002)  # prior: a tenth of a pass a step
     assert costs.step_time("draft") == pytest.approx(0.001)
-    for _ in range(60):  # catching up costs 3 ms a call, each step 0.5 ms
-        costs.observe_draft("draft", 1, 0.0035)
-        costs.observe_draft("draft", 5, 0.0055)
+    for _ in range(60):  # a call costs 2 ms, each step 0.5 ms, each token read first 0.1 ms
+        costs.observe_draft("draft", 1, 0.0027, 2)
+        costs.observe_draft("draft", 5, 0.0047, 2)
+        costs.observe_draft("draft", 2, 0.0094, 62)  # after a gap: 62 tokens to read
     assert costs.step_time("draft") == pytest.approx(0.0005, rel=0.02)
-    assert costs.draft_time("draft", 3) == pytest.approx(0.0045, rel=0.02)
+    assert costs.draft_time("draft", 3, 2) == pytest.approx(0.0037, rel=0.02)
+    assert costs.draft_time("draft", 3, 32) == pytest.approx(0.0067, rel=0.02)
 
 
 def test_draft_calls_never_get_cheaper_with_more_steps():
     calls = DraftCalls(0.001)
     for _ in range(60):
-        calls.observe(1, 0.004)
-        calls.observe(4, 0.003)  # noise: longer calls timed faster
-    a, b = calls.line()
-    assert b == 0.0 and a == pytest.approx(0.0035, rel=0.05)
+        calls.observe(1, 0.004, 2)
+        calls.observe(4, 0.003, 2)  # noise: longer calls timed faster
+    a, b, g = calls.line()
+    assert b == 0.0  # what the calls took, all of it per call
+    assert a + 2 * g == pytest.approx(0.0035, rel=0.05)
 
 
 def test_passes_of_several_sequences_add_a_cost_per_sequence():
@@ -459,6 +464,76 @@ def test_probes_that_keep_losing_come_ever_more_rarely():
     assert model.asked == asked
     chain.draft([1, 2], 3, 16)
     assert model.asked == asked + 1
+    assert models.probe_every["draft"] == MAX_PROBE_EVERY == 64  # and no longer
+
+
+def test_a_probe_that_wins_stands_for_the_record_and_runs_on_merit_halve_the_wait():
+    """A probe that beats the step's other candidates found the text changed: its outcome
+    replaces the record (a moving average over another text would take many probes to move),
+    so the model runs again at once; each run on merit halves the wait before the next probe,
+    so one lucky probe does not bring probes back every 8 steps."""
+    models = PolicyModels(costs=cpu_costs())
+    models.records["draft"] = Record(tokens=1.0, rows=3.0, n=50)
+    models.probe_every["draft"] = 64
+    models.idle["draft"] = 64
+    model = Model("draft", [5, 6], 0.99)
+    chain = Chain([model], AdaptivePolicy(models))
+    draft = chain.draft([1, 2], 3, 16)
+    chain.accept(draft, 2, 0.0135)  # the probe: both tokens kept
+    assert models.records["draft"].tokens == 3.0
+    assert models.probe_every["draft"] == MAX_PROBE_EVERY  # the probe doubled it, up to the cap
+    for _ in range(3):  # 64 -> 32 -> 16 -> 8
+        draft = chain.draft([1, 2], 3, 16)
+        assert draft.tokens == [5, 6]  # on merit
+        chain.accept(draft, 2, 0.0135)
+    assert models.probe_every["draft"] == 8
+    # A probe that loses is only averaged in.
+    models.records["draft"] = Record(tokens=1.0, rows=3.0, n=50)
+    models.idle["draft"] = 8
+    chain.accept(chain.draft([1, 2], 3, 16), 0, 0.0135)
+    assert models.records["draft"].tokens == 1.0
+
+
+def test_a_model_pays_for_the_tokens_it_missed_but_not_for_the_prompt():
+    """A drafting model idle for a while (a copy, plain steps) reads what it missed before it
+    drafts: a cost of running it now. Its first call's prompt is not charged to the step (any
+    use of the model pays it once a generation)."""
+    models = PolicyModels(costs=cpu_costs())
+    calls = models.costs.draft_calls["draft"] = DraftCalls(0.001)
+    for _ in range(60):  # 1 ms a call, 1 ms a step, 1 ms a token read first
+        for steps, missed in ((1, 1), (2, 1), (1, 21)):
+            calls.observe(steps, 0.001 + 0.001 * steps + 0.001 * missed, missed)
+    models.records["draft"] = Record(tokens=2.0, rows=2.0, n=50)
+    model = Model("draft", [5], 0.99)
+    chain = Chain([model], AdaptivePolicy(models))
+    prompt = list(range(200))
+    draft = chain.draft(prompt, 7, 16)  # a long prompt, not yet read: runs all the same
+    assert draft.tokens == [5]
+    chain.accept(draft, 1, 0.0135)
+    history = [*prompt, 7, 5]
+    assert chain.draft(history, 8, 16).tokens == [5]  # 2 tokens missed
+    chain.accept(Draft([5]), 0, 0.0135)
+    history += [8, *range(20)]  # 20 tokens later (a copy): reading them costs more than it gains
+    assert chain.draft(history, 9, 16) == Draft()
+    assert model.asked == 2
+
+
+def test_a_probe_drafts_only_a_few_tokens():
+    """A probe asks whether the model pays again: a few tokens tell (at temperature 1 a probe
+    once drafted 16 tokens on the optimism about untried cells, and none was kept)."""
+    models = PolicyModels(costs=cpu_costs())
+    models.records["draft"] = Record(tokens=1.0, rows=1.0, n=50)
+    model = Model("draft", list(range(5, 21)), 0.99)
+    chain = Chain([model], AdaptivePolicy(models))
+    for _ in range(9):
+        draft = chain.draft([1, 2], 3, 16)
+        chain.accept(draft, len(draft.tokens), 0.012)
+    assert model.asked == 1
+    assert draft.tokens == [5, 6, 7, 8][:PROBE_NODES]
+    # Won back, it drafts as far as its rule says.
+    draft = chain.draft([1, 2], 3, 16)
+    assert model.asked == 2
+    assert len(draft.tokens) > PROBE_NODES
 
 
 def test_each_sampling_regime_learns_its_own_acceptance():
@@ -510,7 +585,7 @@ def test_a_batch_probes_a_drafting_model_as_often_as_one_sequence():
         for policy in sequences:
             policy.load = PassLoad(other_rows=3, sequences=4)
             if policy.model_gain("m", 0.0, plain_rate(models)) == float("inf"):
-                policy.stopper("m", plain_rate(models))
+                policy.stopper("m", plain_rate(models), policy.plain_gain(0.0, plain_rate(models)), 0.0)
                 probes.append(step)
             else:
                 policy.skipped(["m"])

@@ -128,6 +128,7 @@ class Chain:
         draft, a chain or a tree, is shaped by the policy's rule as it drafts)."""
         start = time.perf_counter()
         step = self._step = _Step()
+        policy.at(len(history) + 1)
         free: dict[int, Draft] = {}  # model-free strategy -> its draft
         models: list[int] = []
         for index, strategy in enumerate(self.strategies):
@@ -154,7 +155,7 @@ class Chain:
             if policy.model_gain(names[index], t_sunk, rate) > best_gain:
                 strategy = self.strategies[index]
                 step.model = strategy.name
-                step.stopper = policy.stopper(strategy.name, rate)
+                step.stopper = policy.stopper(strategy.name, rate, best_gain, t_sunk)
                 model_start = time.perf_counter()
                 strategy.keep_drafting = step.stopper
                 try:

@@ -8,8 +8,8 @@ depends on the text, the models and the machine, so `adaptive` measures instead:
   second slope beyond (once passes that long have run) and a cost per sequence sharing the
   pass (once batches have run), fitted to passes timed briefly at load and to the passes
   actually run, recent ones weighing more (contexts grow, machines get busy); and the seconds
-  of a drafting model's call as a line in its steps (what a call costs anyway, catching up
-  with the tokens verified since the last one, and what each step adds).
+  of a drafting model's call as a line in its steps and in the tokens it reads first (those
+  verified since its last call: a few when it runs every step, a whole gap after it idled).
 - Acceptance model: per strategy, depth and draft-confidence bucket, P(the token is kept |
   its parent was), counted from every verified draft with decay, starting from the draft's
   calibrated confidence (model drafts) or from the estimate one depth up (model-free drafts).
@@ -22,7 +22,8 @@ depends on the text, the models and the machine, so `adaptive` measures instead:
   gain (its chance of being reached and kept, less the cost of its draft step and verify row)
   turns negative. A plain step (k = 0, one row) is always a candidate, so a strategy that never
   gets accepted stops being paid for; a drafting model not run for a while is tried again, in
-  case the text changed.
+  case the text changed, with a short draft (a probe), ever more rarely while such probes
+  keep losing; a probe that wins stands for the model's record, as the text it found.
 
 Where verification keeps a draft token exactly when it equals the token emitted at its place
 (`match`, or greedy sampling), every model-free draft is scored whole against the tokens
@@ -81,7 +82,8 @@ PRIOR_FREE = 0.5  # depth-1 prior of a model-free strategy, which reports no con
 DECAY = 0.98  # a cell's counts shrink by this at each update: recent text weighs more
 EXPLORE = 0.2  # optimism of a model draft's decision about a cell with no outcomes yet
 PROBE_EVERY = 8  # a drafting model left unused this many steps is run again
-MAX_PROBE_EVERY = 64  # ... a wait that doubles with each probe that does not win it back
+MAX_PROBE_EVERY = 64  # ... a wait that doubles with each probe, and halves with each run on merit
+PROBE_NODES = 4  # most tokens (tree nodes) a probe drafts: enough to tell whether the model pays again
 
 
 def check_policy(name: str) -> str:
@@ -177,18 +179,19 @@ class CostModel:
         # Never a pass for free, never cheaper with more rows: the mean, flat.
         return np.array([moment[0] / gram[0, 0], 0.0, 0.0, 0.0])
 
-    def observe_draft(self, strategy: str, steps: int, seconds: float) -> None:
-        """A call of the drafting model `strategy` ran `steps` steps in `seconds`."""
-        self._draft_calls(strategy).observe(steps, seconds)
+    def observe_draft(self, strategy: str, steps: int, seconds: float, missed: int) -> None:
+        """A call of the drafting model `strategy` read the `missed` tokens verified since its
+        previous call, then ran `steps` steps, in `seconds`."""
+        self._draft_calls(strategy).observe(steps, seconds, missed)
 
     def step_time(self, strategy: str) -> float:
         """The seconds one more step of a drafting model adds to its call."""
         return self._draft_calls(strategy).line()[1]
 
-    def draft_time(self, strategy: str, steps: float) -> float:
-        """The seconds of a call of `steps` steps, catching up included."""
-        a, b = self._draft_calls(strategy).line()
-        return a + b * steps
+    def draft_time(self, strategy: str, steps: float, missed: float) -> float:
+        """The seconds of a call of `steps` steps that first reads `missed` tokens."""
+        a, b, g = self._draft_calls(strategy).line()
+        return a + b * steps + g * missed
 
     def _draft_calls(self, strategy: str) -> DraftCalls:
         if strategy not in self.draft_calls:
@@ -215,29 +218,38 @@ class CostModel:
 
 
 class DraftCalls:
-    """Seconds of a drafting model's calls as a line a + b * steps, fitted to the calls run
-    (weights decaying by FIT_DECAY a call): a call catches up with the tokens verified since
-    the previous one before its first step, which costs it about the same however many steps
-    follow, so one more step costs b, not the mean seconds a step. Starts from `prior`
-    seconds a step and nothing more, two pseudo-calls that the calls run soon outweigh."""
+    """Seconds of a drafting model's calls as a + b * steps + g * missed, fitted to the calls
+    run (weights decaying by FIT_DECAY a call). A call first reads the tokens verified since
+    its previous one (`missed`: the step's few when it runs every step; the whole prompt at a
+    generation's first call, or a long gap after plain steps or a copy), which costs it the
+    same however many steps follow: so one more step costs b, not the mean seconds a step, and
+    a model idle for a while must pay for its gap before it drafts again. Starts from `prior`
+    seconds a step and nothing more, pseudo-calls that the calls run soon outweigh."""
 
     def __init__(self, prior: float) -> None:
-        self._sums = DecayedSums(2)  # features (1, steps)
+        self._sums = DecayedSums(3)  # features (1, steps, missed)
+        self._line: tuple[float, float, float] | None = None
         for steps in (1, 2):
-            self.observe(steps, prior * steps)
+            self.observe(steps, prior * steps, 0)
 
-    def observe(self, steps: int, seconds: float) -> None:
-        self._sums.observe((1.0, float(steps)), seconds)
+    def observe(self, steps: int, seconds: float, missed: int) -> None:
+        self._sums.observe((1.0, float(steps), float(missed)), seconds)
+        self._line = None
 
-    def line(self) -> tuple[float, float]:
-        """(a, b), both >= 0."""
-        (w, wx, _, wxx), (wy, wxy) = self._sums.gram, self._sums.moment
-        spread = w * wxx - wx * wx
-        b = (w * wxy - wx * wy) / spread if spread > 0 else 0.0
-        if b <= 0:  # more steps never cost less: what the calls took, all of it per call
-            return wy / w, 0.0
-        a = (wy - b * wx) / w
-        return (a, b) if a >= 0 else (0.0, wxy / wxx)  # through the origin
+    def line(self) -> tuple[float, float, float]:
+        """(a, b, g), each >= 0: the fit with as many of them as keep that (the gap's cost is
+        left out until calls with different gaps have run)."""
+        if self._line is None:
+            gram, moment = self._sums.arrays()
+            self._line = (moment[0] / gram[0, 0], 0.0, 0.0)  # at worst: what the calls took, per call
+            for columns in ([0, 1, 2], [0, 1], [0, 2], [0]):
+                fit = _solve(gram[np.ix_(columns, columns)], moment[columns])
+                if (fit >= -1e-12).all():  # rounding aside
+                    line = np.zeros(3)
+                    line[columns] = np.maximum(fit, 0.0)
+                    self._line = (float(line[0]), float(line[1]), float(line[2]))
+                    break
+        return self._line
 
 
 class DecayedSums:
@@ -453,14 +465,17 @@ class Stopper:
         rate: float,
         source: str | None = None,
         load: PassLoad = ALONE,
+        max_nodes: int | None = None,
     ) -> None:
         """source: the acceptance model's name for the strategy's drafts (`AdaptivePolicy.source`).
-        load: the rest of the pass the draft's rows join (a batch)."""
+        load: the rest of the pass the draft's rows join (a batch). max_nodes: at most this many
+        tokens or tree nodes (a probe's)."""
         self.models = models
         self.strategy = strategy
         self.source = source or strategy
         self.rate = rate  # tokens per second: what a second of this step is worth
         self.load = load
+        self.max_nodes = max_nodes
         self.confidences: list[float] = []
         self._reach = 1.0  # P(every token so far kept)
 
@@ -476,6 +491,8 @@ class Stopper:
         """The node's reach, decided on with an optimism that fades as its cell's outcomes
         accumulate: a cell whose tokens are never drafted would never learn that they are
         kept more often than their confidence says (small drafts are underconfident)."""
+        if self.max_nodes is not None and nodes >= self.max_nodes:
+            return None
         acceptance = self.models.acceptance
         a = acceptance.model_estimate(self.source, depth, confidence)
         bonus = EXPLORE / math.sqrt(1.0 + acceptance.seen(self.source, depth, confidence))
@@ -484,6 +501,23 @@ class Stopper:
         row = costs.pass_time(rows + 1, sequences) - costs.pass_time(rows, sequences)
         seconds = costs.step_time(self.strategy) + row
         return parent_reach * a if parent_reach * min(1.0, a + bonus) > self.rate * seconds else None
+
+
+@dataclass(frozen=True)
+class _Probe:
+    """A probe of a drafting model that is running: what the step's best other candidate
+    offered (`rival`, its gain at `rate`, after `t_sunk` seconds of model-free drafting)."""
+
+    strategy: str
+    rival: float
+    rate: float
+    t_sunk: float
+
+    def won(self, policy: AdaptivePolicy, tokens: float, rows: float) -> bool:
+        """Whether the probe's step, at the model's modelled costs, beat the rival."""
+        costs = policy.models.costs  # as if it ran every step: reading what its last step emitted
+        seconds = self.t_sunk + costs.draft_time(self.strategy, rows, tokens) + policy.pass_seconds(rows)
+        return tokens - self.rate * seconds > self.rival
 
 
 class AdaptivePolicy:
@@ -509,7 +543,11 @@ class AdaptivePolicy:
         self.models = models
         self.counterfactual = counterfactual
         self.regime = regime
-        self._caught_up: set[str] = set()  # drafting models run in this generation
+        self._position = 0  # of this step (`at`)
+        self._start = 0  # of the first step: the prompt's length
+        self._read: dict[str, int] = {}  # drafting model -> the position it has read up to
+        self._missed = 0  # tokens the model run this step read first
+        self._probe: _Probe | None = None  # this step's, while it runs
         self._watched: list[tuple[str, list[int], int]] = []  # (strategy, draft, tokens kept so far)
         self.load = ALONE  # what else this step's pass holds
 
@@ -563,7 +601,20 @@ class AdaptivePolicy:
         return record.tokens - rate * seconds
 
     def _draft_seconds(self, strategy: str, record: Record) -> float:
-        return self.models.costs.draft_time(strategy, record.rows)
+        """A call as long as the model's usual one, now: after the tokens it has missed."""
+        return self.models.costs.draft_time(strategy, record.rows, self.missed(strategy))
+
+    def at(self, position: int) -> None:
+        """The step about to be drafted starts at `position` (history and last token)."""
+        self._position = position
+        self._start = self._start or position
+
+    def missed(self, strategy: str) -> int:
+        """Tokens the drafting model would read before drafting now that its call is charged
+        for: those verified since it last ran in this generation. Its first call reads the
+        prompt too, a cost any use of the model pays once a generation, not this step's (a
+        long prompt would otherwise keep it idle until a probe)."""
+        return self._position - self._read.get(strategy, self._start)
 
     def source(self, strategy: str) -> str:
         """The name the acceptance model and the records know `strategy`'s drafts by here."""
@@ -573,18 +624,24 @@ class AdaptivePolicy:
         source = self.source(strategy)
         return self.models.idle[source] >= self.models.probe_every.get(source, PROBE_EVERY)
 
-    def stopper(self, strategy: str, rate: float) -> Stopper:
-        """The stopping rule of `strategy`'s draft, which runs now. A run that is only a
-        probe doubles the wait before the next one (up to MAX_PROBE_EVERY steps): where the
-        model keeps losing, probing it every few steps would cost more than it finds. The wait
-        is kept across generations, as the records are."""
+    def stopper(self, strategy: str, rate: float, rival: float, t_sunk: float) -> Stopper:
+        """The stopping rule of `strategy`'s draft, which runs now, where the step's best other
+        candidate has gain `rival`. A run that is only a probe drafts at most PROBE_NODES
+        tokens (nodes) and doubles the wait before the next probe (up to MAX_PROBE_EVERY
+        steps); each run on merit halves it. Where the model keeps losing, probing it every
+        few steps, or drafting as far as optimism about its untried cells reaches, costs more
+        than it finds (at temperature 1 a probe drafted 16 tokens and none was kept); a lucky
+        probe is not a reason to probe often again. The wait is kept across generations, as
+        the records are."""
         source, waits = self.source(strategy), self.models.probe_every
-        if self._probing(strategy) and source in self.models.records:
-            waits[source] = min(MAX_PROBE_EVERY, 2 * waits.get(source, PROBE_EVERY))
-        else:
-            waits[source] = PROBE_EVERY
+        wait = waits.get(source, PROBE_EVERY)
+        probe = self._probing(strategy) and source in self.models.records
+        waits[source] = min(MAX_PROBE_EVERY, 2 * wait) if probe else max(PROBE_EVERY, wait // 2)
+        self._probe = _Probe(strategy, rival, rate, t_sunk) if probe else None
+        self._missed = self._position - self._read.get(strategy, 0)  # what the call reads, prompt and all
+        self._read[strategy] = self._position
         self.models.idle[source] = 0
-        return Stopper(self.models, strategy, rate, source, self.load)
+        return Stopper(self.models, strategy, rate, source, self.load, PROBE_NODES if probe else None)
 
     def skipped(self, strategies: list[str]) -> None:
         """These drafting models sat this step out: a pass more without them, counted in
@@ -629,11 +686,14 @@ class AdaptivePolicy:
             else:
                 models.acceptance.observe_tree(self.source(strategy), confidences, parents, path)
         if model is not None:
-            if model in self._caught_up:  # a first call also reads the whole prompt: not a call's cost
-                models.costs.observe_draft(model, model_steps, t_model)
-            self._caught_up.add(model)
+            models.costs.observe_draft(model, model_steps, t_model, self._missed)
             tokens, rows = 1.0 + len(path), len(confidences) + 1  # whoever drafted: what running it gave
-            models.records.setdefault(self.source(model), Record()).update(tokens, rows)
+            source = self.source(model)
+            if self._probe is not None and self._probe.won(self, tokens, rows):
+                models.records[source] = Record(tokens, rows)  # the text changed: a new average begins
+            else:
+                models.records.setdefault(source, Record()).update(tokens, rows)
+        self._probe = None
 
     def watch(self, drafts: dict[str, list[int]], emitted: Sequence[int]) -> None:
         """Score model-free drafts against the tokens emitted (counterfactual verification
