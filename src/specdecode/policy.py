@@ -241,14 +241,14 @@ class DraftCalls:
         left out until calls with different gaps have run)."""
         if self._line is None:
             gram, moment = self._sums.arrays()
-            self._line = (moment[0] / gram[0, 0], 0.0, 0.0)  # at worst: what the calls took, per call
+            # The last one ([0]: what the calls took, all of it per call) always holds.
             for columns in ([0, 1, 2], [0, 1], [0, 2], [0]):
                 fit = _solve(gram[np.ix_(columns, columns)], moment[columns])
                 if (fit >= -1e-12).all():  # rounding aside
-                    line = np.zeros(3)
-                    line[columns] = np.maximum(fit, 0.0)
-                    self._line = (float(line[0]), float(line[1]), float(line[2]))
                     break
+            line = np.zeros(3)
+            line[columns] = np.maximum(fit, 0.0)
+            self._line = (float(line[0]), float(line[1]), float(line[2]))
         return self._line
 
 
@@ -508,16 +508,9 @@ class _Probe:
     """A probe of a drafting model that is running: what the step's best other candidate
     offered (`rival`, its gain at `rate`, after `t_sunk` seconds of model-free drafting)."""
 
-    strategy: str
     rival: float
     rate: float
     t_sunk: float
-
-    def won(self, policy: AdaptivePolicy, tokens: float, rows: float) -> bool:
-        """Whether the probe's step, at the model's modelled costs, beat the rival."""
-        costs = policy.models.costs  # as if it ran every step: reading what its last step emitted
-        seconds = self.t_sunk + costs.draft_time(self.strategy, rows, tokens) + policy.pass_seconds(rows)
-        return tokens - self.rate * seconds > self.rival
 
 
 class AdaptivePolicy:
@@ -597,8 +590,13 @@ class AdaptivePolicy:
         record = self.models.records.get(self.source(strategy))
         if record is None or self._probing(strategy):
             return float("inf")
-        seconds = t_sunk + self._draft_seconds(strategy, record) + self.pass_seconds(record.rows)
-        return record.tokens - rate * seconds
+        return self._record_gain(strategy, record, t_sunk, rate, self.missed(strategy))
+
+    def _record_gain(self, strategy: str, record: Record, t_sunk: float, rate: float, missed: float) -> float:
+        """The gain of a step of `strategy`'s model that gives what `record` says, its call first
+        reading `missed` tokens."""
+        seconds = t_sunk + self.models.costs.draft_time(strategy, record.rows, missed)
+        return record.tokens - rate * (seconds + self.pass_seconds(record.rows))
 
     def _draft_seconds(self, strategy: str, record: Record) -> float:
         """A call as long as the model's usual one, now: after the tokens it has missed."""
@@ -637,7 +635,7 @@ class AdaptivePolicy:
         wait = waits.get(source, PROBE_EVERY)
         probe = self._probing(strategy) and source in self.models.records
         waits[source] = min(MAX_PROBE_EVERY, 2 * wait) if probe else max(PROBE_EVERY, wait // 2)
-        self._probe = _Probe(strategy, rival, rate, t_sunk) if probe else None
+        self._probe = _Probe(rival, rate, t_sunk) if probe else None
         self._missed = self._position - self._read.get(strategy, 0)  # what the call reads, prompt and all
         self._read[strategy] = self._position
         self.models.idle[source] = 0
@@ -688,9 +686,14 @@ class AdaptivePolicy:
         if model is not None:
             models.costs.observe_draft(model, model_steps, t_model, self._missed)
             tokens, rows = 1.0 + len(path), len(confidences) + 1  # whoever drafted: what running it gave
-            source = self.source(model)
-            if self._probe is not None and self._probe.won(self, tokens, rows):
-                models.records[source] = Record(tokens, rows)  # the text changed: a new average begins
+            source, probe, outcome = self.source(model), self._probe, Record(tokens, rows)
+            # A probe beat the rival, at the model's costs as if it ran every step (reading what
+            # its last step emitted): the text changed, and a new average begins.
+            if (
+                probe is not None
+                and self._record_gain(model, outcome, probe.t_sunk, probe.rate, tokens) > probe.rival
+            ):
+                models.records[source] = outcome
             else:
                 models.records.setdefault(source, Record()).update(tokens, rows)
         self._probe = None
