@@ -693,7 +693,7 @@ KEYED_PATHS = [
     ("POST", "/completion"),
     ("POST", "/tokenize"),
     ("POST", "/detokenize"),
-    ("GET", "/no/such/path"),
+    ("GET", "/no-such-route"),
 ]
 
 
