@@ -199,6 +199,43 @@ def test_draft_calls_never_get_cheaper_with_more_steps():
     assert a + 2 * g == pytest.approx(0.0035, rel=0.05)
 
 
+class TreeModel(Fixed):
+    """A drafting model that grows a tree depth by depth under the policy's rule, keeping one
+    child per depth: its tree comes out as a chain."""
+
+    def __init__(self, name: str, tokens: list[int]) -> None:
+        super().__init__(name, tokens)
+        self.keep_drafting = None
+
+    def draft(self, history: Sequence[int], last: int, n_max: int) -> Draft:
+        self.asked += 1
+        reach = 1.0
+        tokens: list[int] = []
+        for depth in range(1, min(n_max, len(self.tokens)) + 1):
+            if (reach := self.keep_drafting.node(reach, depth, 0.99, len(tokens))) is None:
+                break
+            tokens.append(self.tokens[depth - 1])
+        return Draft(tokens, parents=list(range(-1, len(tokens) - 1))).simplified()
+
+
+def test_a_tree_that_comes_out_as_a_chain_is_timed_by_the_steps_its_model_ran():
+    """A model's call is charged for a step per depth it was asked about, whatever shape its
+    draft took: a 4-deep tree that came out as a chain once counted as a single step, so long
+    calls looked like one-step ones, the fit gave steps no cost and every call a pass's worth."""
+    models = PolicyModels(costs=cpu_costs())
+    calls: list[int] = []
+    observe = models.costs.observe_draft
+    models.costs.observe_draft = lambda strategy, steps, *rest: (
+        calls.append(steps),
+        observe(strategy, steps, *rest),
+    )
+    chain = Chain([TreeModel("draft", [5, 6, 7, 8])], AdaptivePolicy(models))
+    draft = chain.draft([1, 2], 3, 4)
+    assert draft.tokens == [5, 6, 7, 8] and draft.is_chain
+    chain.accept(draft, 4, 0.02)
+    assert calls == [4]  # depths 1..4: the context's step and one per node but the last
+
+
 def test_passes_of_several_sequences_add_a_cost_per_sequence():
     """A batch's pass of T rows costs more than one sequence's T rows (each sequence attends to
     its own cache): once such passes run, the fit learns that cost, and one sequence's

@@ -456,7 +456,9 @@ class Stopper:
     """The drafting rule of one model draft (`strategies.base.KeepDrafting`): a token or tree
     node is drafted while its gain, the tokens it adds in expectation (its chance of being
     reached and kept) less what its draft step and verify row cost at the step's rate, is
-    positive. Remembers the confidences of the chain tokens it let through."""
+    positive. Remembers the confidences of the chain tokens it let through, and the deepest
+    depth it was asked about: the model ran a step for each depth up to there, chain or tree,
+    whatever became of the draft (a tree may come out as a chain, or be cut)."""
 
     def __init__(
         self,
@@ -477,6 +479,7 @@ class Stopper:
         self.load = load
         self.max_nodes = max_nodes
         self.confidences: list[float] = []
+        self.deepest = 0  # the deepest depth asked about
         self._reach = 1.0  # P(every token so far kept)
 
     def __call__(self, depth: int, confidence: float) -> bool:
@@ -491,6 +494,7 @@ class Stopper:
         """The node's reach, decided on with an optimism that fades as its cell's outcomes
         accumulate: a cell whose tokens are never drafted would never learn that they are
         kept more often than their confidence says (small drafts are underconfident)."""
+        self.deepest = max(self.deepest, depth)
         if self.max_nodes is not None and nodes >= self.max_nodes:
             return None
         acceptance = self.models.acceptance
