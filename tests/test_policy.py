@@ -148,6 +148,20 @@ def test_a_noisy_timing_does_not_make_one_more_row_free_or_dear():
     assert 0.0005 < steps[0] < 0.0015
 
 
+def test_the_step_from_one_row_to_several_is_fitted_from_the_passes_run():
+    """On a CPU after a long context, a second row costs twice what each next one does. A line
+    through every size made it look cheap, and a one-token draft kept 4% of the time was
+    verified every other step, at a loss."""
+    costs = CostModel()
+    costs.calibrated.update({1: 0.0062, 2: 0.0063, 3: 0.0066, 5: 0.0070, 9: 0.0080, 17: 0.0100})
+    for _ in range(20):
+        for rows, seconds in ((1, 0.0065), (2, 0.0071), (3, 0.0073), (5, 0.0077)):
+            costs.observe_pass(rows, seconds)
+    assert costs.pass_time(2) - costs.pass_time(1) == pytest.approx(0.0006, abs=0.0001)
+    assert costs.pass_time(3) - costs.pass_time(2) == pytest.approx(0.0002, abs=0.0001)
+    assert costs.pass_time(17) > costs.pass_time(9) > costs.pass_time(5)
+
+
 def test_passes_run_feed_the_fit_report():
     costs = CostModel()
     costs.calibrated.update({1: 0.010, 2: 0.011})

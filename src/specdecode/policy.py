@@ -5,8 +5,9 @@ model draft stops at the first token whose confidence is below p_min. Whether th
 depends on the text, the models and the machine, so `adaptive` measures instead:
 
 - Cost model: seconds of a target pass of T rows, a line a + b * T up to KNOT rows with a
-  second slope beyond (once passes that long have run) and a cost per sequence sharing the
-  pass (once batches have run), fitted to passes timed briefly at load and to the passes
+  second slope beyond (once passes that long have run), a step up from one row to several
+  (a kernel's shape changes there) and a cost per sequence sharing the pass (once batches
+  have run), fitted to passes timed briefly at load and to the passes
   actually run, recent ones weighing more (contexts grow, machines get busy); and the seconds
   of a drafting model's call as a line in its steps and in the tokens it reads first (those
   verified since its last call: a few when it runs every step, a whole gap after it idled).
@@ -57,6 +58,7 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import combinations
 
 import numpy as np
 
@@ -95,22 +97,25 @@ def check_policy(name: str) -> str:
 class CostModel:
     """Seconds of target passes by row count, and of draft steps by strategy.
 
-    A pass of T rows of S sequences costs a + b * T + c * max(0, T - KNOT) + s * (S - 1),
-    fitted by least squares to the load-time timings (each worth CALIBRATION_WEIGHT passes,
+    A pass of T rows of S sequences costs a + b * T + c * max(0, T - KNOT) + s * (S - 1)
+    + m * (T > 1), fitted by least squares to the load-time timings (each worth CALIBRATION_WEIGHT passes,
     always) and to the passes run (weights decaying by FIT_DECAY a pass, so the fit follows a
     growing context or a busier machine). A line, not a table: one size's noisy timing must
     not make one more row look free or dear. The second slope c is fitted only once passes
     longer than KNOT rows were timed or run (a CPU's long passes grow faster than its short
-    ones), and s once passes of several sequences were (each attends to its own cache);
-    until then the line goes on."""
+    ones), s once passes of several sequences were (each attends to its own cache), and m once
+    passes of one row and of two sizes of several were run (on a CPU the second row can cost
+    twice what each next one does, after a long context: one row multiplies vectors, several
+    multiply matrices; a line through them all made a doubtful one-token draft look nearly
+    free); until then the line goes on."""
 
     def __init__(self) -> None:
         self.calibrated: dict[int, float] = {}  # rows -> the load-time median
         # (rows, sequences) -> [count, total seconds] of the passes run
         self.measured: dict[tuple[int, int], list[float]] = {}
         self.draft_calls: dict[str, DraftCalls] = {}  # drafting model -> its calls' cost line
-        self._sums = DecayedSums(4)  # over the passes run, features _features(T, S)
-        self._curve: tuple[float, float, float, float] | None = None  # (a, b, c, s)
+        self._sums = DecayedSums(5)  # over the passes run, features _features(T, S)
+        self._curve: tuple[float, ...] | None = None  # (a, b, c, s, m)
         self._stale = 0.0  # passes observed since the last fit
         self._times: dict[tuple[float, int], float] = {}  # (rows, sequences) -> pass_time now
 
@@ -158,10 +163,10 @@ class CostModel:
         return self._times[key]
 
     def _fit(self) -> np.ndarray:
-        """(a, b, c, s) of the weighted least-squares fit, b >= 0, c >= -b and s >= 0 (costs
-        never fall with more rows or sequences); the prior's before any timing. The second
-        slope and the cost per sequence are fitted where passes showed them, and left out
-        (the simpler line) where the fit with them breaks those bounds."""
+        """(a, b, c, s, m) of the weighted least-squares fit, b >= 0, c >= -b, s >= 0 and m >= 0
+        (costs never fall with more rows or sequences); the prior's before any timing. The
+        second slope, the cost per sequence and the step from one row are fitted where passes
+        showed them, as many of them as keep those bounds (the simpler line where none does)."""
         seeds = self.calibrated or {1: PRIOR_PASS, KNOT: PRIOR_PASS * _prior_shape(KNOT)}
         gram, moment = self._sums.arrays()
         for n, seconds in seeds.items():
@@ -169,15 +174,19 @@ class CostModel:
             gram += CALIBRATION_WEIGHT * np.outer(features, features)
             moment += CALIBRATION_WEIGHT * features * seconds
         seen = [column for column in (2, 3) if gram[column, column] > 0]
-        for optional in dict.fromkeys((tuple(seen), *((column,) for column in seen), ())):
-            columns = [0, 1, *optional]
-            curve = np.zeros(4)
-            curve[columns] = _solve(gram[np.ix_(columns, columns)], moment[columns])
-            a, b, c, s = curve
-            if a > 0 and b >= 0 and c >= -b and s >= 0:
-                return curve
+        run = {rows for rows, _ in self.measured}
+        if 1 in run and len(run - {1}) >= 2:  # passes run tell the step from the slope
+            seen.append(4)
+        for size in range(len(seen), -1, -1):
+            for optional in combinations(seen, size):
+                columns = [0, 1, *optional]
+                curve = np.zeros(5)
+                curve[columns] = _solve(gram[np.ix_(columns, columns)], moment[columns])
+                a, b, c, s, m = curve
+                if a > 0 and b >= 0 and c >= -b and s >= 0 and m >= 0:
+                    return curve
         # Never a pass for free, never cheaper with more rows: the mean, flat.
-        return np.array([moment[0] / gram[0, 0], 0.0, 0.0, 0.0])
+        return np.array([moment[0] / gram[0, 0], 0.0, 0.0, 0.0, 0.0])
 
     def observe_draft(self, strategy: str, steps: int, seconds: float, missed: int) -> None:
         """A call of the drafting model `strategy` read the `missed` tokens verified since its
@@ -278,10 +287,10 @@ def _prior_shape(rows: float) -> float:
     return 1.0 + PRIOR_SLOPE * (rows - 1)
 
 
-def _features(rows: float, sequences: int = 1) -> tuple[float, float, float, float]:
-    """A pass's features in the cost fit: 1, its rows, its rows past the knot, and the
-    sequences beside the first."""
-    return 1.0, float(rows), max(0.0, rows - KNOT), float(sequences - 1)
+def _features(rows: float, sequences: int = 1) -> tuple[float, float, float, float, float]:
+    """A pass's features in the cost fit: 1, its rows, its rows past the knot, the sequences
+    beside the first, and whether it has more than one row."""
+    return 1.0, float(rows), max(0.0, rows - KNOT), float(sequences - 1), float(rows > 1)
 
 
 def _solve(gram: np.ndarray, moment: np.ndarray) -> np.ndarray:
