@@ -255,8 +255,8 @@ class _Step:
             elif seen:  # a translated draft may differ in length: pad with the last
                 confidences = [seen[min(i, len(seen) - 1)] for i in range(k)]
         steps = 0
-        if self.stopper is not None:  # the model's steps, chain or tree
-            steps = max(1, self.stopper.deepest)  # one per depth asked about, the first after the context
+        if self.stopper is not None:  # the model's steps, chain or tree: one per depth it was asked about
+            steps = max(1, self.stopper.deepest)  # (depth 1's reads the context)
         policy.observe(
             self.strategy,
             confidences,

@@ -7,8 +7,8 @@ depends on the text, the models and the machine, so `adaptive` measures instead:
 - Cost model: seconds of a target pass of T rows, a line a + b * T up to KNOT rows with a
   second slope beyond (once passes that long have run), a step up from one row to several
   (a kernel's shape changes there) and a cost per sequence sharing the pass (once batches
-  have run), fitted to passes timed briefly at load and to the passes
-  actually run, recent ones weighing more (contexts grow, machines get busy); and the seconds
+  have run), fitted to passes timed briefly at load and to the passes actually run, recent
+  ones weighing more (contexts grow, machines get busy); and the seconds
   of a drafting model's call as a line in its steps and in the tokens it reads first (those
   verified since its last call: a few when it runs every step, a whole gap after it idled).
 - Acceptance model: per strategy, depth and draft-confidence bucket, P(the token is kept |
@@ -98,16 +98,16 @@ class CostModel:
     """Seconds of target passes by row count, and of draft steps by strategy.
 
     A pass of T rows of S sequences costs a + b * T + c * max(0, T - KNOT) + s * (S - 1)
-    + m * (T > 1), fitted by least squares to the load-time timings (each worth CALIBRATION_WEIGHT passes,
-    always) and to the passes run (weights decaying by FIT_DECAY a pass, so the fit follows a
-    growing context or a busier machine). A line, not a table: one size's noisy timing must
-    not make one more row look free or dear. The second slope c is fitted only once passes
-    longer than KNOT rows were timed or run (a CPU's long passes grow faster than its short
-    ones), s once passes of several sequences were (each attends to its own cache), and m once
-    passes of one row and of two sizes of several were run (on a CPU the second row can cost
-    twice what each next one does, after a long context: one row multiplies vectors, several
-    multiply matrices; a line through them all made a doubtful one-token draft look nearly
-    free); until then the line goes on."""
+    + m * (T > 1), fitted by least squares to the load-time timings (each worth
+    CALIBRATION_WEIGHT passes, always) and to the passes run (weights decaying by FIT_DECAY a
+    pass, so the fit follows a growing context or a busier machine). A line, not a table: one
+    size's noisy timing must not make one more row look free or dear. The second slope c is
+    fitted only once passes longer than KNOT rows were timed or run (a CPU's long passes grow
+    faster than its short ones), s once passes of several sequences were (each attends to its
+    own cache), and m once passes of one row and of two sizes of several were run (on a CPU the
+    second row can cost twice what each next one does, after a long context: one row multiplies
+    vectors, several multiply matrices; a line through them all made a doubtful one-token draft
+    look nearly free); until then the line goes on."""
 
     def __init__(self) -> None:
         self.calibrated: dict[int, float] = {}  # rows -> the load-time median
