@@ -32,6 +32,7 @@ from specdecode.policy import (
     expected_tokens,
 )
 from specdecode.strategies import Draft
+from specdecode.strategies.draft_model import DraftModelConfig, DraftModelStrategy
 
 GREEDY = SamplingParams(temperature=0)
 
@@ -387,7 +388,63 @@ def test_the_stopper_tries_doubtful_tokens_it_knows_nothing_of_and_learns_they_a
 
 def test_the_stopper_stops_when_draft_steps_cost_more_than_they_bring():
     models = PolicyModels(costs=cpu_costs(draft_step=0.012))  # a draft as slow as the target
-    assert not Stopper(models, "draft", 1 / 0.012)(1, 0.6)
+    stopper = Stopper(models, "draft", 1 / 0.012)
+    assert stopper(1, 0.6)  # the step that showed it has run: it pays for its row
+    assert not stopper.further(1)  # but not for another step
+
+
+def test_a_token_worth_its_row_is_drafted_though_the_step_after_it_would_not_pay():
+    """The step that showed a token's confidence has run: the token costs its verify row only.
+    Whether the next step runs is a decision of its own; a rule that charged each token its
+    row and the step after it stopped a token early and paid for the step it stopped at."""
+    models = PolicyModels(costs=cpu_costs(draft_step=0.006))  # a step: half a pass
+    for _ in range(40):
+        models.acceptance.observe("draft", [0.45], 0)
+        models.acceptance.observe("draft", [0.45], 1)  # kept half the time
+    rate = plain_rate(models)
+    row = models.costs.pass_time(2) - models.costs.pass_time(1)
+    step = models.costs.step_time("draft")
+    a = models.acceptance.model_estimate("draft", 1, 0.45)
+    assert rate * row < a < rate * (row + step)  # worth its row, not its row and a step
+    stopper = Stopper(models, "draft", rate)
+    assert stopper(1, 0.45)
+    assert not stopper.further(1)
+
+
+def test_the_stopper_looks_further_where_the_next_token_is_expected_to_pay():
+    """Before the step that shows the next token runs, its confidence is unknown: it is
+    expected to be like those that followed this one's (at first, the same)."""
+    models = PolicyModels(costs=cpu_costs())
+    for _ in range(30):
+        models.acceptance.observe("draft", [0.95, 0.95], 2)  # confident tokens: kept
+        models.acceptance.observe("draft", [0.05], 0)  # doubtful ones: not
+    stopper = Stopper(models, "draft", plain_rate(models))
+    assert stopper(1, 0.95) and stopper.further(1)
+    for _ in range(100):  # this model's confident token is followed by a doubtful one, rejected
+        models.acceptance.observe_next("draft", 0.95, 0.05)
+        models.acceptance.observe("draft", [0.95, 0.05], 1)
+    shares = {confidence: share for share, confidence in models.acceptance.next_confidences("draft", 0.95)}
+    assert shares[0.05] > 0.8
+    assert not stopper.further(1)
+
+
+def test_the_stopper_learns_what_follows_each_confidence_from_the_steps_run():
+    models = PolicyModels(costs=cpu_costs())
+    stopper = Stopper(models, "draft", plain_rate(models))
+    assert stopper(1, 0.95) and stopper(2, 0.35)
+    assert not stopper(3, 0.01)  # shown by a step, though not drafted
+    assert models.acceptance.followers == {
+        ("draft", 9): [0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0],
+        ("draft", 3): [1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0],
+    }
+
+
+def test_a_probe_runs_no_step_past_its_last_token():
+    models = PolicyModels(costs=cpu_costs())
+    stopper = Stopper(models, "draft", plain_rate(models), max_nodes=PROBE_NODES)
+    for depth in range(1, PROBE_NODES + 1):
+        assert stopper(depth, 0.99)
+    assert not stopper.further(PROBE_NODES)
 
 
 def test_chain_prefers_the_strategy_with_the_better_record():
@@ -455,7 +512,7 @@ def test_counterfactual_scores_are_kept_for_counterfactual_verification_only():
 
 def test_chain_takes_a_plain_step_and_skips_a_model_that_does_not_pay():
     models = PolicyModels(costs=cpu_costs())
-    models.records["draft"] = Record(tokens=1.0, rows=1.0, n=50)  # plain's tokens, plus a draft step
+    models.records["draft"] = Record(tokens=1.0, rows=1.0, steps=1.0, n=50)  # plain's tokens, and a step
     model = Model("draft", [5, 6], 0.99)
     chain = Chain([model], AdaptivePolicy(models))
     assert chain.draft([1, 2], 3, 16) == Draft()
@@ -468,7 +525,7 @@ def test_a_rate_no_candidate_reaches_does_not_make_the_cheapest_win():
     """After long copies (300 tokens/s), a stretch only the draft model predicts: its 9 tokens in
     48 ms beat a plain step's 1 in 12 ms, even though neither reaches the copies' rate."""
     models = PolicyModels(costs=cpu_costs())
-    models.records["draft"] = Record(tokens=9.0, rows=17.0, n=50)
+    models.records["draft"] = Record(tokens=9.0, rows=17.0, steps=17.0, n=50)
     models.step_tokens, models.step_seconds = 30.0, 0.1
     policy = AdaptivePolicy(models)
     rate = policy.step_rate({}, ["draft"], 0.0)
@@ -481,7 +538,7 @@ def test_a_rate_no_candidate_reaches_does_not_make_the_cheapest_win():
 
 def test_chain_probes_an_unused_model_again():
     models = PolicyModels(costs=cpu_costs())
-    models.records["draft"] = Record(tokens=1.0, rows=1.0, n=50)
+    models.records["draft"] = Record(tokens=1.0, rows=1.0, steps=1.0, n=50)
     model = Model("draft", [5, 6], 0.99)
     chain = Chain([model], AdaptivePolicy(models))
     for _ in range(9):
@@ -495,7 +552,7 @@ def test_chain_probes_an_unused_model_again():
 
 def test_probes_that_keep_losing_come_ever_more_rarely():
     models = PolicyModels(costs=cpu_costs())
-    models.records["draft"] = Record(tokens=1.0, rows=1.0, n=50)
+    models.records["draft"] = Record(tokens=1.0, rows=1.0, steps=1.0, n=50)
     model = Model("draft", [5, 6], 0.99)
     chain = Chain([model], AdaptivePolicy(models))
     asked = []
@@ -524,7 +581,7 @@ def test_a_probe_that_wins_stands_for_the_record_and_runs_on_merit_halve_the_wai
     so the model runs again at once; each run on merit halves the wait before the next probe,
     so one lucky probe does not bring probes back every 8 steps."""
     models = PolicyModels(costs=cpu_costs())
-    models.records["draft"] = Record(tokens=1.0, rows=3.0, n=50)
+    models.records["draft"] = Record(tokens=1.0, rows=3.0, steps=3.0, n=50)
     models.probe_every["draft"] = 64
     models.idle["draft"] = 64
     model = Model("draft", [5, 6], 0.99)
@@ -539,7 +596,7 @@ def test_a_probe_that_wins_stands_for_the_record_and_runs_on_merit_halve_the_wai
         chain.accept(draft, 2, 0.0135)
     assert models.probe_every["draft"] == 8
     # A probe that loses is only averaged in.
-    models.records["draft"] = Record(tokens=1.0, rows=3.0, n=50)
+    models.records["draft"] = Record(tokens=1.0, rows=3.0, steps=3.0, n=50)
     models.idle["draft"] = 8
     chain.accept(chain.draft([1, 2], 3, 16), 0, 0.0135)
     assert models.records["draft"].tokens == 1.0
@@ -554,7 +611,7 @@ def test_a_model_pays_for_the_tokens_it_missed_but_not_for_the_prompt():
     for _ in range(60):  # 1 ms a call, 1 ms a step, 1 ms a token read first
         for steps, missed in ((1, 1), (2, 1), (1, 21)):
             calls.observe(steps, 0.001 + 0.001 * steps + 0.001 * missed, missed)
-    models.records["draft"] = Record(tokens=2.0, rows=2.0, n=50)
+    models.records["draft"] = Record(tokens=2.0, rows=2.0, steps=2.0, n=50)
     model = Model("draft", [5], 0.99)
     chain = Chain([model], AdaptivePolicy(models))
     prompt = list(range(200))
@@ -573,7 +630,7 @@ def test_a_probe_drafts_only_a_few_tokens():
     """A probe asks whether the model pays again: a few tokens tell (at temperature 1 a probe
     once drafted 16 tokens on the optimism about untried cells, and none was kept)."""
     models = PolicyModels(costs=cpu_costs())
-    models.records["draft"] = Record(tokens=1.0, rows=1.0, n=50)
+    models.records["draft"] = Record(tokens=1.0, rows=1.0, steps=1.0, n=50)
     model = Model("draft", list(range(5, 21)), 0.99)
     chain = Chain([model], AdaptivePolicy(models))
     for _ in range(9):
@@ -629,7 +686,7 @@ def test_a_batch_probes_a_drafting_model_as_often_as_one_sequence():
     """Passes count towards the next probe of an unused drafting model, whichever sequence
     steps: a probe stalls every sequence of the pass."""
     models = PolicyModels(costs=cpu_costs())
-    models.records["m"] = Record(tokens=1.0, rows=4.0)  # losing: only probes run it
+    models.records["m"] = Record(tokens=1.0, rows=4.0, steps=4.0)  # losing: only probes run it
     sequences = [AdaptivePolicy(models) for _ in range(4)]
     probes = []
     for step in range(1, 61):  # 60 passes of four sequences
@@ -671,6 +728,39 @@ def test_adaptive_generation_learns_and_reports(zoo):
     # every step is reported, but a last one with room for one token only, which drafts nothing
     assert sum(models.choices.values()) in (result.stats.n_passes - 1, result.stats.n_passes)
     assert models.costs.measured and models.acceptance.cells
+
+
+class StopAfter:
+    """A policy's rule for chains that drafts every token and runs no step past the token at
+    `depth`."""
+
+    def __init__(self, depth: int) -> None:
+        self.depth = depth
+
+    def __call__(self, depth: int, confidence: float) -> bool:
+        return True
+
+    def further(self, depth: int) -> bool:
+        return depth < self.depth
+
+    def node(self, parent_reach: float, depth: int, confidence: float, nodes: int) -> float | None:
+        raise AssertionError("a chain asks no node")
+
+
+def test_a_draft_model_runs_no_step_past_the_token_its_rule_ends_on(zoo):
+    """The draft's last token is never evaluated by the model; its next call reads it, if it
+    was kept, with the rest of what was verified."""
+    _, draft = zoo.pair(TargetSpec(seed=1), 0.02)
+    strategy = DraftModelStrategy(draft, DraftModelConfig(), target_vocab_size=draft.vocab.size)
+    strategy.keep_drafting = StopAfter(3)
+    prompt = list(range(3, 20))
+    strategy.begin(prompt)
+    tokens = strategy.draft(prompt, 20, 16).tokens
+    assert len(tokens) == 3
+    assert draft.tokens == [*prompt, 20, *tokens[:2]]
+    history = [*prompt, 20, *tokens]
+    assert len(strategy.draft(history, 21, 16).tokens) == 3
+    assert draft.tokens[: len(history) + 1] == [*history, 21]
 
 
 def test_tree_nodes_are_worth_their_row_while_likely_enough():

@@ -19,12 +19,15 @@ depends on the text, the models and the machine, so `adaptive` measures instead:
   the tokens per second the policy has been achieving. Model-free drafts cost next to nothing,
   so all are asked and each is cut to its best length; a drafting model is run when its
   expected gain (the tokens its steps emitted, less what its usual draft length costs) beats
-  the best of those and of a plain step, and it stops growing its draft when one more token's
-  gain (its chance of being reached and kept, less the cost of its draft step and verify row)
-  turns negative. A plain step (k = 0, one row) is always a candidate, so a strategy that never
-  gets accepted stops being paid for; a drafting model not run for a while is tried again, in
-  case the text changed, with a short draft (a probe), ever more rarely while such probes
-  keep losing; a probe that wins stands for the model's record, as the text it found.
+  the best of those and of a plain step. Its draft takes a token while the token's chance of
+  being reached and kept pays for its verify row (the step that showed it has run), and runs
+  the step that shows the next token while that token is expected to pay for its row by more
+  than the step costs (over the confidences that followed this one's), so a draft may end on a
+  token the model never evaluated. A plain step (k = 0, one row) is always a candidate, so a
+  strategy that never gets accepted stops being paid for; a drafting model not run for a
+  while is tried again, in case the text changed, with a short draft (a probe), ever more
+  rarely while such probes keep losing; a probe that wins stands for the model's record, as
+  the text it found.
 
 Where verification keeps a draft token exactly when it equals the token emitted at its place
 (`match`, or greedy sampling), every model-free draft is scored whole against the tokens
@@ -312,6 +315,8 @@ class AcceptanceModel:
 
     def __init__(self) -> None:
         self.cells: dict[tuple[str, int, int], list[float]] = {}
+        # (strategy, bucket) -> decayed counts of the bucket of the next token a step showed
+        self.followers: dict[tuple[str, int], list[float]] = {}
 
     def estimate(self, strategy: str, depth: int, confidence: float | None, prior: float) -> float:
         kept, rejected = self.cells.get(_cell(strategy, depth, confidence), (0.0, 0.0))
@@ -359,6 +364,23 @@ class AcceptanceModel:
             if parent < 0 or parent in kept:
                 self._count(strategy, depths[node], confidences[node], node in kept)
 
+    def observe_next(self, strategy: str, confidence: float, next_confidence: float) -> None:
+        """A drafting model's step after a token of `confidence` showed one of `next_confidence`
+        (whether or not that token was then drafted)."""
+        counts = self.followers.setdefault((strategy, _bucket(confidence)), [0.0] * BUCKETS)
+        counts[:] = [DECAY * count for count in counts]
+        counts[_bucket(next_confidence)] += 1.0
+
+    def next_confidences(self, strategy: str, confidence: float) -> list[tuple[float, float]]:
+        """(probability, confidence) of the next token's bucket (its middle) after a token of
+        `confidence`, before the step that shows it runs: counted from the steps run, starting
+        from the same bucket (a draft's confidence runs in stretches), worth PRIOR_WEIGHT steps."""
+        bucket = _bucket(confidence)
+        counts = list(self.followers.get((strategy, bucket), [0.0] * BUCKETS))
+        counts[bucket] += PRIOR_WEIGHT
+        total = sum(counts)
+        return [(count / total, (b + 0.5) / BUCKETS) for b, count in enumerate(counts) if count > 0]
+
     def _count(self, strategy: str, depth: int, confidence: float | None, kept: bool) -> None:
         pooled = () if confidence is None else (0,)  # depth 0: a model bucket over all depths
         for cell_depth in (depth, *pooled):
@@ -369,8 +391,11 @@ class AcceptanceModel:
 
 
 def _cell(strategy: str, depth: int, confidence: float | None) -> tuple[str, int, int]:
-    bucket = -1 if confidence is None else min(int(confidence * BUCKETS), BUCKETS - 1)
-    return strategy, depth_cell(depth), bucket
+    return strategy, depth_cell(depth), -1 if confidence is None else _bucket(confidence)
+
+
+def _bucket(confidence: float) -> int:
+    return min(int(confidence * BUCKETS), BUCKETS - 1)
 
 
 def depth_cell(depth: int) -> int:
@@ -395,19 +420,22 @@ def expected_tokens(acceptances: list[float]) -> list[float]:
 
 @dataclass
 class Record:
-    """Averages over the steps a drafting model ran: tokens emitted and rows verified. It starts
-    as one step that kept a one-token draft; the first steps are averaged plainly, later ones
-    in a moving average (so that one unlucky first draft does not rule the model out)."""
+    """Averages over the steps a drafting model ran: tokens emitted, rows verified and the
+    model's own steps. It starts as one step that kept a one-token draft; the first steps are
+    averaged plainly, later ones in a moving average (so that one unlucky first draft does not
+    rule the model out)."""
 
     tokens: float = 2.0
     rows: float = 2.0
+    steps: float = 2.0
     n: int = 1
 
-    def update(self, tokens: float, rows: float) -> None:
+    def update(self, tokens: float, rows: float, steps: float) -> None:
         self.n += 1
         weight = max(EMA, 1 / self.n)
         self.tokens = (1 - weight) * self.tokens + weight * tokens
         self.rows = (1 - weight) * self.rows + weight * rows
+        self.steps = (1 - weight) * self.steps + weight * steps
 
 
 @dataclass
@@ -462,11 +490,19 @@ class PassShare:
 
 
 class Stopper:
-    """The drafting rule of one model draft (`strategies.base.KeepDrafting`): a token or tree
-    node is drafted while its gain, the tokens it adds in expectation (its chance of being
-    reached and kept) less what its draft step and verify row cost at the step's rate, is
-    positive. Remembers the confidences of the chain tokens it let through, and the deepest
-    depth it was asked about: the model ran a step for each depth up to there, chain or tree,
+    """The drafting rule of one model draft (`strategies.base.KeepDrafting`), each decision a
+    gain at the step's rate: the tokens it adds in expectation (a token's chance of being
+    reached and kept) less what it costs.
+
+    A chain's token is drafted while it pays its verify row: the step that showed its
+    confidence has run already. The model's next step, which shows the token after it, runs
+    while that token is expected to pay its row by more than the step costs; its confidence is
+    not known yet, so the expectation is over the confidences that followed this one's. (A
+    rule that charged each token its row and the step after it would stop one token early,
+    after paying for the step that showed it, and would pay for the step that shows the token
+    it stops at.) A tree's node, whose children are drafted level by level, pays its row and a
+    step. Remembers the confidences of the chain tokens it let through, and the deepest depth
+    it was asked about: the model ran a step for each depth up to there, chain or tree,
     whatever became of the draft (a tree may come out as a chain, or be cut)."""
 
     def __init__(
@@ -492,28 +528,56 @@ class Stopper:
         self._reach = 1.0  # P(every token so far kept)
 
     def __call__(self, depth: int, confidence: float) -> bool:
-        reach = self.node(self._reach, depth, confidence, depth - 1)
+        if self.confidences:  # a step ran after the last token: what followed its confidence
+            self.models.acceptance.observe_next(self.source, self.confidences[-1], confidence)
+        reach = self._worth(self._reach, depth, confidence, depth - 1, 0.0)
         if reach is None:
             return False
         self._reach = reach
         self.confidences.append(confidence)
         return True
 
+    def further(self, depth: int) -> bool:
+        """Run the model's next step after the chain's token at `depth`?"""
+        if self.max_nodes is not None and depth >= self.max_nodes:
+            return False
+        row = self._row(depth)
+        expected = 0.0
+        for share, confidence in self.models.acceptance.next_confidences(self.source, self.confidences[-1]):
+            _, optimistic = self._estimates(depth + 1, confidence)
+            expected += share * max(0.0, self._reach * optimistic - self.rate * row)
+        return expected > self.rate * self.models.costs.step_time(self.strategy)
+
     def node(self, parent_reach: float, depth: int, confidence: float, nodes: int) -> float | None:
-        """The node's reach, decided on with an optimism that fades as its cell's outcomes
-        accumulate: a cell whose tokens are never drafted would never learn that they are
-        kept more often than their confidence says (small drafts are underconfident)."""
+        """A tree node's reach, when it is worth its row and the step that drafts its children."""
+        return self._worth(parent_reach, depth, confidence, nodes, self.models.costs.step_time(self.strategy))
+
+    def _worth(
+        self, parent_reach: float, depth: int, confidence: float, nodes: int, step: float
+    ) -> float | None:
+        """The reach of a token or node at `depth` after `nodes` others, when what it adds beats
+        the cost of its verify row and `step` seconds of drafting; None when it does not."""
         self.deepest = max(self.deepest, depth)
         if self.max_nodes is not None and nodes >= self.max_nodes:
             return None
+        a, optimistic = self._estimates(depth, confidence)
+        return parent_reach * a if parent_reach * optimistic > self.rate * (step + self._row(nodes)) else None
+
+    def _estimates(self, depth: int, confidence: float) -> tuple[float, float]:
+        """P(kept | parent kept) of a token at `depth` of this confidence, and the same with an
+        optimism that fades as its cell's outcomes accumulate, which decisions are made on: a
+        cell whose tokens are never drafted would never learn that they are kept more often
+        than their confidence says (small drafts are underconfident)."""
         acceptance = self.models.acceptance
         a = acceptance.model_estimate(self.source, depth, confidence)
         bonus = EXPLORE / math.sqrt(1.0 + acceptance.seen(self.source, depth, confidence))
+        return a, min(1.0, a + bonus)
+
+    def _row(self, nodes: int) -> float:
+        """What one more verify row adds to the pass, after this draft's `nodes` nodes."""
         costs = self.models.costs
-        rows, sequences = self.load.other_rows + nodes + 1, self.load.sequences  # the pass without this node
-        row = costs.pass_time(rows + 1, sequences) - costs.pass_time(rows, sequences)
-        seconds = costs.step_time(self.strategy) + row
-        return parent_reach * a if parent_reach * min(1.0, a + bonus) > self.rate * seconds else None
+        rows, sequences = self.load.other_rows + nodes + 1, self.load.sequences  # the pass without it
+        return costs.pass_time(rows + 1, sequences) - costs.pass_time(rows, sequences)
 
 
 @dataclass(frozen=True)
@@ -608,12 +672,12 @@ class AdaptivePolicy:
     def _record_gain(self, strategy: str, record: Record, t_sunk: float, rate: float, missed: float) -> float:
         """The gain of a step of `strategy`'s model that gives what `record` says, its call first
         reading `missed` tokens."""
-        seconds = t_sunk + self.models.costs.draft_time(strategy, record.rows, missed)
+        seconds = t_sunk + self.models.costs.draft_time(strategy, record.steps, missed)
         return record.tokens - rate * (seconds + self.pass_seconds(record.rows))
 
     def _draft_seconds(self, strategy: str, record: Record) -> float:
         """A call as long as the model's usual one, now: after the tokens it has missed."""
-        return self.models.costs.draft_time(strategy, record.rows, self.missed(strategy))
+        return self.models.costs.draft_time(strategy, record.steps, self.missed(strategy))
 
     def at(self, position: int) -> None:
         """The step about to be drafted starts at `position` (history and last token)."""
@@ -699,7 +763,8 @@ class AdaptivePolicy:
         if model is not None:
             models.costs.observe_draft(model, model_steps, t_model, self._missed)
             tokens, rows = 1.0 + len(path), len(confidences) + 1  # whoever drafted: what running it gave
-            source, probe, outcome = self.source(model), self._probe, Record(tokens, rows)
+            source, probe = self.source(model), self._probe
+            outcome = Record(tokens, rows, model_steps)
             # A probe beat the rival, at the model's costs as if it ran every step (reading what
             # its last step emitted): the text changed, and a new average begins.
             if (
@@ -708,7 +773,7 @@ class AdaptivePolicy:
             ):
                 models.records[source] = outcome
             else:
-                models.records.setdefault(source, Record()).update(tokens, rows)
+                models.records.setdefault(source, Record()).update(tokens, rows, model_steps)
         self._probe = None
 
     def watch(self, drafts: dict[str, list[int]], emitted: Sequence[int]) -> None:

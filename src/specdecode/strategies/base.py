@@ -127,6 +127,10 @@ class KeepDrafting(Protocol):
     def __call__(self, depth: int, confidence: float) -> bool:
         """Chains: draft the token at `depth` (1-based), of this top-1 confidence?"""
 
+    def further(self, depth: int) -> bool:
+        """Chains: run the model's next step, which shows the token after the one just drafted
+        at `depth`? (No: the draft ends there, its last token never evaluated by the model.)"""
+
     def node(self, parent_reach: float, depth: int, confidence: float, nodes: int) -> float | None:
         """Trees: the chance that a node at `depth` with this confidence is reached and kept,
         given its parent's (1 for a child of the root), when that is worth its cost in a tree

@@ -14,7 +14,9 @@ verification the children of a node are drawn from the draft's distribution with
 replacement, each reported with the distribution it was drawn from.
 
 Under a policy's rule (`keep_drafting`, see `specdecode.policy`) the rule decides in place of
-p_min which chain token is drafted, and in trees in place of p_min and p_split which of a
+p_min which chain token is drafted, and whether the step that shows the next one runs (a
+chain may end on a token the model never evaluated: its next call reads it, if kept, with
+the rest of what was verified), and in trees in place of p_min and p_split which of a
 node's candidates (ranks 0..7, still at most n_parallel branches and n_max nodes) become
 nodes, from each candidate's rank probability: never from which token was drawn.
 """
@@ -84,6 +86,12 @@ def top1_confidence(logits: torch.Tensor) -> float:
 def continue_draft(rule: KeepDrafting | None, depth: int, confidence: float, p_min: float) -> bool:
     """Draft the token at `depth` of this top-1 confidence? The policy's rule, else p_min's."""
     return confidence >= p_min if rule is None else rule(depth, confidence)
+
+
+def look_further(rule: KeepDrafting | None, depth: int, n_max: int) -> bool:
+    """Run the next draft step after the token at `depth`, to see the one after it? Not past
+    n_max; classically always (p_min judges what it shows), else as the policy's rule says."""
+    return depth < n_max and (rule is None or rule.further(depth))
 
 
 def top_candidates(logits: torch.Tensor) -> tuple[list[int], torch.Tensor]:
@@ -168,8 +176,9 @@ class DraftModelStrategy:
                 confidences.append(confidence)
                 if constraint is not None:
                     constraint.push(token)
-                if len(tokens) < n_max:
-                    logits = self.backend.evaluate([token], logits_rows=1)[0]
+                if not look_further(self.keep_drafting, len(tokens), n_max):
+                    break
+                logits = self.backend.evaluate([token], logits_rows=1)[0]
         finally:
             if constraint is not None:
                 constraint.rewind()

@@ -43,7 +43,7 @@ import torch
 from specdecode.backends import Backend, common_prefix, hidden_state_source
 from specdecode.sampling import Sampler, distribution
 from specdecode.strategies.base import Draft, KeepDrafting, path_to
-from specdecode.strategies.draft_model import DraftModelConfig, continue_draft, top1_confidence
+from specdecode.strategies.draft_model import DraftModelConfig, continue_draft, look_further, top1_confidence
 from specdecode.strategies.eagle3_head import Eagle3Head, HeadCache, HeadTree
 
 if TYPE_CHECKING:
@@ -118,9 +118,10 @@ class Eagle3Strategy:
                 confidences.append(confidence)
                 if constraint is not None:
                     constraint.push(token)
-                if len(tokens) < n_max:
-                    h = self.head.step([token], h[None], n + len(tokens) - 1, self.cache)[-1]
-                    logits = self.head.target_logits(h)
+                if not look_further(self.keep_drafting, len(tokens), n_max):
+                    break
+                h = self.head.step([token], h[None], n + len(tokens) - 1, self.cache)[-1]
+                logits = self.head.target_logits(h)
         finally:
             if constraint is not None:
                 constraint.rewind()
