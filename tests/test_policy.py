@@ -175,10 +175,27 @@ def test_passes_run_feed_the_fit_report():
             "sequences": 1,
             "passes": 50,
             "measured_ms": pytest.approx(22.0),
+            "predicted_ms": pytest.approx(20.0, abs=2.0),  # the first passes were predicted at 11
             "model_ms": pytest.approx(22.0, rel=0.1),
             "timed_ms": 11.0,
         }
     ]
+
+
+def test_the_fit_report_gives_what_the_model_predicted_for_each_pass_before_learning_from_it():
+    """A run of several tasks ends with a model of the last one's passes: the predictions made
+    as each pass ran are the fit the policy acted on."""
+    costs = CostModel()
+    costs.calibrated.update({1: 0.010, 2: 0.011})
+    costs.observe_pass(2, 0.022)
+    [row] = costs.fit()
+    assert row["predicted_ms"] == pytest.approx(11.0, rel=0.01)
+    assert row["measured_ms"] == pytest.approx(22.0)
+    for _ in range(39):
+        costs.observe_pass(2, 0.022)
+    [row] = costs.fit()
+    assert row["model_ms"] == pytest.approx(22.0, rel=0.1)
+    assert 11.0 < row["predicted_ms"] < row["model_ms"]
 
 
 def test_calibration_times_every_row_count_and_leaves_the_cache_empty(zoo):
@@ -274,7 +291,10 @@ def test_a_pass_reported_in_shares_counts_once():
         whole.observe_pass(12, seconds, 4)
         for weight in (0.25, 0.25, 0.5):
             shares.observe_pass(12, seconds, 4, weight)
-    assert shares.measured[(12, 4)] == pytest.approx(whole.measured[(12, 4)])
+    count, total, predicted = whole.measured[(12, 4)]
+    assert shares.measured[(12, 4)][:2] == pytest.approx([count, total])
+    # each share is predicted from a fit that has seen the pass's earlier shares
+    assert shares.measured[(12, 4)][2] == pytest.approx(predicted, rel=0.01)
     for ours, expected in zip(shares._sums.arrays(), whole._sums.arrays(), strict=True):
         assert ours == pytest.approx(expected, rel=0.01)
 
@@ -458,7 +478,7 @@ def test_chain_prefers_the_strategy_with_the_better_record():
     assert a.asked == b.asked == 1  # model-free strategies are all asked
     chain.accept(draft, 4, 0.015)
     assert models.choices[("b", 4)] == 1
-    assert models.costs.measured[(5, 1)] == [1, 0.015]
+    assert models.costs.measured[(5, 1)][:2] == [1, 0.015]
 
 
 def cells_of(models: PolicyModels, strategy: str) -> dict[int, list[float]]:

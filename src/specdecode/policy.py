@@ -114,7 +114,7 @@ class CostModel:
 
     def __init__(self) -> None:
         self.calibrated: dict[int, float] = {}  # rows -> the load-time median
-        # (rows, sequences) -> [count, total seconds] of the passes run
+        # (rows, sequences) -> [count, total seconds, total seconds predicted] of the passes run
         self.measured: dict[tuple[int, int], list[float]] = {}
         self.draft_calls: dict[str, DraftCalls] = {}  # drafting model -> its calls' cost line
         self._sums = DecayedSums(5)  # over the passes run, features _features(T, S)
@@ -144,12 +144,16 @@ class CostModel:
     def observe_pass(self, rows: int, seconds: float, sequences: int = 1, weight: float = 1.0) -> None:
         """A pass of `rows` rows of `sequences` sequences took `seconds`. weight: the share of
         it this call reports (each sequence of a batch reports its rows' share, so that the
-        pass counts once in all)."""
+        pass counts once in all). What the model predicted for it, before learning from it, is
+        kept beside it: the fit the policy acted on, which a multi-task run's final model is not."""
+        curve = self._curve if self._curve is not None else self._fit()  # no refit: the one acted on
+        predicted = sum(v * f for v, f in zip(curve, _features(rows, sequences), strict=True))
         self._sums.observe(_features(rows, sequences), seconds, weight)
         self._stale += weight
-        count_total = self.measured.setdefault((rows, sequences), [0.0, 0.0])
-        count_total[0] += weight
-        count_total[1] += weight * seconds
+        totals = self.measured.setdefault((rows, sequences), [0.0, 0.0, 0.0])
+        totals[0] += weight
+        totals[1] += weight * seconds
+        totals[2] += weight * predicted
 
     def pass_time(self, rows: float, sequences: int = 1) -> float:
         """Seconds of a pass of `rows` rows of `sequences` sequences (asked for many lengths
@@ -211,10 +215,13 @@ class CostModel:
         return self.draft_calls[strategy]
 
     def fit(self) -> list[dict]:
-        """For each shape run (rows, sequences): the mean of the passes run against the model
-        now, and the load-time timing (where that size was timed, alone)."""
+        """For each shape run (rows, sequences): the mean of the passes run against the mean of
+        the model's predictions for them when they ran, the model now, and the load-time timing
+        (where that size was timed, alone)."""
         rows = []
-        for (n, sequences), (count, total) in sorted(self.measured.items(), key=lambda item: item[0][::-1]):
+        for (n, sequences), (count, total, predicted) in sorted(
+            self.measured.items(), key=lambda item: item[0][::-1]
+        ):
             timed = self.calibrated.get(n) if sequences == 1 else None
             rows.append(
                 {
@@ -222,6 +229,7 @@ class CostModel:
                     "sequences": sequences,
                     "passes": round(count, 3),
                     "measured_ms": 1e3 * total / count,
+                    "predicted_ms": 1e3 * predicted / count,
                     "model_ms": 1e3 * self.pass_time(n, sequences),
                     "timed_ms": None if timed is None else 1e3 * timed,
                 }

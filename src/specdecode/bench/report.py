@@ -114,7 +114,9 @@ def policy_summary(models: PolicyModels) -> dict:
 
 
 def policy_lines(name: str, summary: dict) -> list[str]:
-    """Readable lines of `policy_summary`: the choice histogram, then the cost fit."""
+    """Readable lines of `policy_summary`: the choice histogram, then the cost fit (the model at
+    the end of a run of several tasks has forgotten the first ones' passes: what it predicted
+    when each pass ran is the fit the policy acted on)."""
     lines = [f"{name}: steps by strategy and draft length"]
     for strategy, lengths in summary["choices"].items():
         cells = ", ".join(f"{length}: {count}" for length, count in sorted(lengths.items()))
@@ -122,12 +124,13 @@ def policy_lines(name: str, summary: dict) -> list[str]:
     fit = [
         f"T={row['rows']}"
         + (f"/S={row['sequences']}" if row["sequences"] > 1 else "")
-        + f" {row['measured_ms']:.1f}/{row['model_ms']:.1f}"
+        + f" {row['measured_ms']:.1f}/{row['predicted_ms']:.1f}/{row['model_ms']:.1f}"
         + ("" if row["timed_ms"] is None else f"/{row['timed_ms']:.1f}")
         for row in summary["cost_fit"]
     ]
     lines.append(
-        "  ms per pass of T rows (of S sequences), measured mean / cost model at the end / timed at load: "
+        "  ms per pass of T rows (of S sequences), measured mean / predicted when run / cost model at the end"
+        + " / timed at load: "
         + ", ".join(fit)
     )
     return lines
