@@ -146,8 +146,7 @@ class CostModel:
         it this call reports (each sequence of a batch reports its rows' share, so that the
         pass counts once in all). What the model predicted for it, before learning from it, is
         kept beside it: the fit the policy acted on, which a multi-task run's final model is not."""
-        curve = self._curve if self._curve is not None else self._fit()  # no refit: the one acted on
-        predicted = sum(v * f for v, f in zip(curve, _features(rows, sequences), strict=True))
+        predicted = self.pass_time(rows, sequences)  # the curve in force (a policy refits before it)
         self._sums.observe(_features(rows, sequences), seconds, weight)
         self._stale += weight
         totals = self.measured.setdefault((rows, sequences), [0.0, 0.0, 0.0])
