@@ -33,6 +33,7 @@ DTYPES = {
     "float64": torch.float64,
 }
 WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
+PASSES = ("auto", "invariant", "fixed", "bucketed")
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,9 @@ class LoadOptions:
     backend: str = "auto"  # "auto": native for the model types it runs, else "hf" (see load_backend)
     gpu_layers: int | None = None  # llama.cpp: layers offloaded to the GPU (None: all on a GPU device)
     repack: bool = True  # llama.cpp: repacked (interleaved) CPU weight layouts, its --no-repack
+    # native: "invariant" (row-invariant passes), "fixed" or "bucketed" (graph passes, see
+    # specdecode.backends.graph); "auto": fixed on a GPU, invariant on the CPU
+    passes: str = "auto"
 
     def __post_init__(self) -> None:
         if self.n_ctx < 0:
@@ -57,6 +61,8 @@ class LoadOptions:
             raise SpecdecodeError(f"the thread count must be >= 1, not {self.threads}")
         if self.gpu_layers is not None and self.gpu_layers < 0:
             raise SpecdecodeError(f"the GPU layer count must be >= 0, not {self.gpu_layers}")
+        if self.passes not in PASSES:
+            raise SpecdecodeError(f"unknown kind of passes {self.passes!r} (choose from {', '.join(PASSES)})")
 
 
 class HFBackend:
@@ -129,20 +135,23 @@ class HFBackend:
             n_batch=options.n_batch,
             threads=options.threads,
             name=directory.name,
+            **cls.pass_options(options),
         )
+
+    @classmethod
+    def pass_options(cls, options: LoadOptions) -> dict:
+        """Construction options of this backend class that `options` decides."""
+        return {}
 
     def fork(self) -> HFBackend:
         """A backend over the same weights with its own empty KV cache and its own copy of the
         tokenizer (fast tokenizers must not be used from two threads at once): what lets
         generations run in parallel threads without loading the model twice."""
-        return type(self)(
-            self.model,
-            copy.deepcopy(self.tokenizer),
-            n_ctx=self.n_ctx,
-            n_batch=self.n_batch,
-            threads=self.threads,
-            name=self.name,
-        )
+        return type(self)(self.model, copy.deepcopy(self.tokenizer), **self._options())
+
+    def _options(self) -> dict:
+        """The construction options a fork repeats."""
+        return {"n_ctx": self.n_ctx, "n_batch": self.n_batch, "threads": self.threads, "name": self.name}
 
     def capture_hidden(self, layer_ids: Sequence[int]) -> None:
         """See `specdecode.backends.HiddenStates`."""

@@ -269,15 +269,17 @@ def _fuse(modules: Sequence[torch.nn.Linear]) -> torch.Tensor:
     return fused
 
 
-_SHARED: weakref.WeakKeyDictionary[PreTrainedModel, NativeWeights] = weakref.WeakKeyDictionary()
+_SHARED: weakref.WeakKeyDictionary[PreTrainedModel, dict[bool, NativeWeights]] = weakref.WeakKeyDictionary()
 
 
-def native_weights(model: PreTrainedModel) -> NativeWeights:
-    """The arranged weights of `model`, made (and probed) once per model."""
-    if model not in _SHARED:
+def native_weights(model: PreTrainedModel, row_invariant: bool = True) -> NativeWeights:
+    """The arranged weights of `model`, made (and, for row-invariant passes, probed) once per
+    model and kind of pass."""
+    arranged = _SHARED.setdefault(model, {})
+    if row_invariant not in arranged:
         dtype = next(model.parameters()).dtype
-        _SHARED[model] = NativeWeights(model, invariant=dtype in INVARIANT_DTYPES)
-    return _SHARED[model]
+        arranged[row_invariant] = NativeWeights(model, invariant=row_invariant and dtype in INVARIANT_DTYPES)
+    return arranged[row_invariant]
 
 
 class KVCache:
@@ -356,6 +358,7 @@ class NativeBackend(HFBackend):
 
     half_precision_on_cpu = True
     max_pass_rows = INVARIANT_ROWS  # rows of several sequences share a pass up to this many
+    row_invariant = True  # passes probed and run so that a row's bits never depend on the pass
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, **options) -> None:
         """options: HFBackend's (n_ctx, n_batch, threads, name)."""
@@ -365,7 +368,7 @@ class NativeBackend(HFBackend):
             raise SpecdecodeError(f"{name}: the native backend cannot run this model: {reason}")
         super().__init__(model, tokenizer, **options)
         self._use_threads()  # the probes must see the kernels the passes will use
-        self.weights = native_weights(self.model)
+        self.weights = native_weights(self.model, self.row_invariant)
         dtype = self.weights.embeddings.dtype
         # Attention runs in float32 at least: one query row at a time (row-invariance), where
         # torch's half-precision kernel is several times slower than its float32 one on CPUs.
