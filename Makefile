@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 DEMO_PROMPT := import os\n\n\ndef read_lines(path):
 
-.PHONY: setup demo test lint clean llama-tools llama-invariant
+.PHONY: setup demo test lint clean llama-tools llama-invariant gpu-check
 
 setup: $(VENV)/.installed
 
@@ -65,6 +65,12 @@ llama-invariant: setup
 	cmake -S $$source -B $(LLAMA_TOOLS)/invariant $(LLAMA_TOOLS_CMAKE) $(LLAMA_INVARIANT_CMAKE) \
 		-DLLAMA_BUILD_COMMON=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF && \
 	cmake --build $(LLAMA_TOOLS)/invariant -j2 --target llama
+
+# The GPU check (exactness, pass costs, speed and the plan's goals on a CUDA GPU) into
+# build/gpu-check/gpu_check.{json,md}. It runs on the system's Python, without the venv: a GPU
+# machine has torch, transformers and their kin installed. GPU_CHECK_ARGS=--quick for smaller sizes.
+gpu-check:
+	PYTHONPATH=src $(PYTHON) -m specdecode.bench.gpu_check --out build/gpu-check $(GPU_CHECK_ARGS)
 
 lint: setup
 	$(BIN)/ruff check src tests
