@@ -24,8 +24,8 @@ def backends() -> tuple[HFBackend, HFBackend]:
 def test_the_bundle_is_small_and_stored_in_half_precision():
     files = [path for path in BUNDLED.rglob("*") if path.is_file()]
     assert sum(path.stat().st_size for path in files) <= MAX_BUNDLE_BYTES
-    for role in ("target", "draft"):
-        with safe_open(BUNDLED / role / "model.safetensors", "pt") as weights:
+    for role, directory in zip(("target", "draft"), bundled_pair(), strict=True):
+        with safe_open(directory / "model.safetensors", "pt") as weights:
             dtypes = {str(weights.get_slice(name).get_dtype()) for name in weights.keys()}  # noqa: SIM118
         assert dtypes == {"BF16"}, (role, dtypes)
 

@@ -4,15 +4,32 @@ The pair lives in `specdecode/models/target` and `specdecode/models/draft` (Hugg
 directories, shipped as package data), with an EAGLE-3 head for the target in
 `specdecode/models/eagle3`. An installation without them still works with -m/-md;
 asked for the defaults, it says how to make a pair with `specdecode train`.
+
+Their weights are stored packed (`model.safetensors.packed`, see
+`specdecode.backends.packed_weights`) and the draft's tokenizer.json is the target's, stored
+once, so the functions here hand out ordinary directories decoded into the user's cache.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from specdecode.backends.packed_weights import materialize
 from specdecode.errors import SpecdecodeError
 
 BUNDLED = Path(__file__).parent / "models"
+SHARED = {"draft": ("tokenizer.json", "target")}  # a file stored once, in the target's directory
+
+
+def _bundled(role: str) -> Path:
+    """A bundled model's directory, decoded, with the file it shares with another model."""
+    directory = BUNDLED / role
+    extra = {}
+    if role in SHARED:
+        name, owner = SHARED[role]
+        if not (directory / name).is_file() and (BUNDLED / owner / name).is_file():
+            extra[name] = BUNDLED / owner / name
+    return materialize(directory, extra)
 
 
 def bundled_pair() -> tuple[Path, Path]:
@@ -23,7 +40,7 @@ def bundled_pair() -> tuple[Path, Path]:
             "no target model given (-m DIR), and this installation carries no default model pair; "
             "pass -m (and -md), or make a pair with `specdecode train tokenizer|target|draft`"
         )
-    return target, draft
+    return _bundled("target"), _bundled("draft")
 
 
 def resolve_models(model: Path | None, draft: Path | None) -> tuple[Path, Path | None]:
@@ -36,8 +53,8 @@ def resolve_models(model: Path | None, draft: Path | None) -> tuple[Path, Path |
 
 
 def bundled_eagle3() -> Path | None:
-    head = BUNDLED / "eagle3"
-    return head if (head / "config.json").is_file() else None
+    """The bundled EAGLE-3 head's directory, decoded, or None if this installation has none."""
+    return _bundled("eagle3") if (BUNDLED / "eagle3" / "config.json").is_file() else None
 
 
 def resolve_eagle3(model: Path | None, head: Path | None) -> Path | None:
