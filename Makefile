@@ -11,6 +11,7 @@ DEMO_PROMPT := import os\n\n\ndef read_lines(path):
 setup: $(VENV)/.installed
 
 # torch first, pinned: an unpinned torch would pull gigabytes of CUDA packages.
+# Then the package with every extra (the server, GGUF files, grammars, the benchmarks' output).
 # The llama-cpp extra compiles llama.cpp (a portable CPU build, without its tools): about
 # 10 CPU-minutes, once; pip keeps the wheel it builds for later installs.
 # Last, speculators (vLLM's EAGLE-3 format; the tests read our exports with its config classes
@@ -22,7 +23,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q torch==2.13.0
 	CMAKE_ARGS="$(LLAMA_CPP_CMAKE)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
-		$(BIN)/pip install -q -e '.[dev,llama-cpp]'
+		$(BIN)/pip install -q -e '.[all,dev,llama-cpp]'
 	$(BIN)/pip install -q --no-deps speculators==0.9.0 hs-connectors==0.9.0
 	touch $@
 

@@ -49,7 +49,8 @@ from specdecode.server import ServerSettings, create_app
 from specdecode.server.chat import DEFAULT_TEMPLATE, render
 from specdecode.server.metrics import Metrics
 from specdecode.server.schemas import Message
-from specdecode.server.serve import Server, listen, settings_from_args
+from specdecode.server.serve import Server, listen
+from specdecode.server.settings import settings_from_args
 from specdecode.server.slots import Closing, Job, SlotPool
 from specdecode.testing import save_model
 

@@ -1,7 +1,8 @@
 """The `specdecode` command: thin argparse front ends that build configs and call the API.
 
 Flags follow llama.cpp's names. Every user mistake ends with one `error:` line and exit
-status 2, never a traceback.
+status 2, never a traceback; so does a command whose optional packages are not installed
+(each is imported only by the command that uses it, see `specdecode.errors.EXTRAS`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from transformers.utils import logging as hf_logging
 
 from specdecode.api import Pipeline
 from specdecode.backends.hf import DTYPES, LoadOptions
-from specdecode.backends.llama_cpp import LlamaCppBackend
 from specdecode.backends.load import BACKENDS
 from specdecode.bench import command as bench_command
 from specdecode.bench import constrained as bench_constrained
@@ -25,14 +25,14 @@ from specdecode.bench import passes as bench_passes
 from specdecode.bench import serving as bench_serving
 from specdecode.constraints import ConstraintSpec
 from specdecode.defaults import resolve_eagle3, resolve_models
-from specdecode.errors import SpecdecodeError, read_text_file
+from specdecode.errors import SpecdecodeError, missing_package, read_text_file
 from specdecode.export.command import add_export_parser
 from specdecode.generate import GenerationConfig
 from specdecode.loadtest import add_loadtest_parser
 from specdecode.lookup import add_lookup_parser
 from specdecode.policy import SPEC_POLICIES
 from specdecode.sampling import SamplingParams
-from specdecode.server import serve
+from specdecode.server.settings import add_server_args, settings_from_args
 from specdecode.strategies import (
     AVAILABLE,
     DraftModelConfig,
@@ -346,8 +346,11 @@ def pipeline_from_args(args: argparse.Namespace) -> Pipeline:
     )
     if pipeline.eagle3 is not None:
         print(f"note: {pipeline.eagle3.layer_note}", file=sys.stderr)
-    if pipeline.spec_types and isinstance(pipeline.target, LlamaCppBackend):
-        warning = pipeline.target.row_variance_warning()
+    # llama.cpp's backend alone has rows that may vary with the pass (asked by name: its module
+    # is imported only for GGUF files)
+    row_variance_warning = getattr(pipeline.target, "row_variance_warning", None)
+    if pipeline.spec_types and row_variance_warning is not None:
+        warning = row_variance_warning()
         if warning is not None:
             print(f"warning: {warning}", file=sys.stderr)
     return pipeline
@@ -406,9 +409,11 @@ def run_generate(args: argparse.Namespace) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> None:
+    from specdecode.server import serve  # the HTTP stack: before the socket and the models
+
     with serve.listen(args.host, args.port) as sock:
         pipeline = pipeline_from_args(args)
-        settings = serve.settings_from_args(args, pipeline, sampling_from_args(args))
+        settings = settings_from_args(args, pipeline, sampling_from_args(args))
         serve.run(pipeline, settings, sock)
 
 
@@ -463,7 +468,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=HelpFormatter,
         epilog=strategies_epilog(),
     )
-    serve.add_server_args(srv)
+    add_server_args(srv)
     add_model_args(srv)
     add_spec_args(srv)
     add_sampling_args(srv, temperature=SamplingParams().temperature)
@@ -488,6 +493,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.handler(args)
     except SpecdecodeError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as exc:
+        error = missing_package(exc, f"specdecode {args.command}")
+        if error is None:
+            raise
+        print(f"error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

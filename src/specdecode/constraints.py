@@ -33,18 +33,27 @@ import time
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
+from types import ModuleType
+from typing import TYPE_CHECKING
 
-import llguidance
-import llguidance.hf
 import numpy as np
 import torch
-from llguidance.gbnf_to_lark import any_to_lark
 
-from specdecode.errors import SpecdecodeError
+from specdecode.errors import SpecdecodeError, require
 from specdecode.strategies.base import Draft, path_to
+
+if TYPE_CHECKING:
+    import llguidance
 
 KINDS = ("grammar", "json_schema", "regex")
 JSON_OPTIONS = {"whitespace_flexible": False}
+FEATURE = "constrained generation (a grammar, JSON schema or regex)"
+
+
+def _engine(module: str = "llguidance") -> ModuleType:
+    """llguidance (or one of its modules), imported by the first constraint: generation without
+    one never loads it, and runs where it is not installed."""
+    return require(module, FEATURE)
 
 
 @dataclass(frozen=True)
@@ -67,18 +76,19 @@ class ConstraintSpec:
     def grammar(self) -> str:
         """The llguidance grammar; a SpecdecodeError for text that is not a grammar of its kind
         (checked fully against a tokenizer when compiled)."""
+        matcher = _engine().LLMatcher
         try:
             if self.kind == "regex":
-                return llguidance.LLMatcher.grammar_from_regex(self.text)
+                return matcher.grammar_from_regex(self.text)
             if self.kind == "json_schema":
                 schema = json.loads(self.text)
                 if not isinstance(schema, dict):
                     raise SpecdecodeError("a JSON schema must be a JSON object")
                 # Compact JSON ("," and ":" between items, no other whitespace) unless the
                 # schema's own "x-guidance" options say otherwise.
-                return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+                return matcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
             # GBNF's converter reports a bad grammar with any exception (a bare Exception included).
-            return llguidance.LLMatcher.grammar_from_lark(any_to_lark(self.text))
+            return matcher.grammar_from_lark(_engine("llguidance.gbnf_to_lark").any_to_lark(self.text))
         except SpecdecodeError:
             raise
         except Exception as exc:
@@ -102,7 +112,9 @@ def grammar_tokenizer(hf_tokenizer, vocab_size: int, eos_id: int | None) -> llgu
         cached = _TOKENIZERS.get(hf_tokenizer)
         if cached is None:
             try:
-                cached = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=eos_id)
+                cached = _engine("llguidance.hf").from_tokenizer(
+                    hf_tokenizer, n_vocab=vocab_size, eos_token=eos_id
+                )
             except ValueError as exc:
                 raise SpecdecodeError(f"constrained generation needs a fast tokenizer: {exc}") from exc
             _TOKENIZERS[hf_tokenizer] = cached
@@ -112,7 +124,7 @@ def grammar_tokenizer(hf_tokenizer, vocab_size: int, eos_id: int | None) -> llgu
 def compile_constraint(spec: ConstraintSpec, tokenizer: llguidance.LLTokenizer) -> str:
     """The checked grammar of spec: a SpecdecodeError names what is wrong with it."""
     grammar = spec.grammar()
-    error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
+    error = _engine().LLMatcher.validate_grammar(grammar, tokenizer)
     if error and not error.startswith("WARNING"):
         raise SpecdecodeError(f"invalid {spec.kind.replace('_', ' ')}: {one_line(error)}")
     return grammar
@@ -126,7 +138,7 @@ class Constraint:
 
     def __init__(self, grammar: str, tokenizer: llguidance.LLTokenizer, vocab_size: int) -> None:
         """grammar: from `compile_constraint`; vocab_size: rows of the target's logits."""
-        self._matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        self._matcher = _engine().LLMatcher(tokenizer, grammar, log_level=0)
         if self._matcher.is_error():
             raise SpecdecodeError(f"invalid grammar: {one_line(self._matcher.get_error())}")
         self.vocab_size = vocab_size

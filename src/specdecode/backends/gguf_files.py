@@ -15,14 +15,18 @@ the `gguf` package (llama.cpp's own Python writer and quantizer). Two details ca
 dequantizes the weights (with the `gguf` package) into an ordinary model, which the native or
 transformers' forward then runs in PyTorch; slower than llama.cpp's kernels on a CPU, but the
 same file works without the compiled extra.
+
+The `gguf` package is imported only when a GGUF file is read or written (the `gguf` extra), so
+`is_gguf` and the names of the formats cost nothing where it is not installed.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING
 
-import gguf
 import numpy as np
 import torch
 from tokenizers import Tokenizer
@@ -30,23 +34,21 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 
 from specdecode.backends.hf import check_model_directory, load_model_config, load_tokenizer
 from specdecode.backends.native import native_unsupported
-from specdecode.errors import SpecdecodeError
+from specdecode.errors import SpecdecodeError, require
 
-# File types the writer makes itself; q4_k needs llama.cpp's quantizer (the llama-cpp extra).
-FORMATS = {
-    "f32": gguf.LlamaFileType.ALL_F32,
-    "f16": gguf.LlamaFileType.MOSTLY_F16,
-    "bf16": gguf.LlamaFileType.MOSTLY_BF16,
-    "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
-}
+if TYPE_CHECKING:
+    import gguf
+
+# File types the writer makes itself, by their gguf.LlamaFileType names (each tensor's type is
+# the gguf.GGMLQuantizationType of the format's upper-case name); q4_k needs llama.cpp's
+# quantizer (the llama-cpp extra).
+FORMATS = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16", "q8_0": "MOSTLY_Q8_0"}
 LLAMA_CPP_FORMATS = ("q4_k",)
-TENSOR_TYPES = {
-    "f32": gguf.GGMLQuantizationType.F32,
-    "f16": gguf.GGMLQuantizationType.F16,
-    "bf16": gguf.GGMLQuantizationType.BF16,
-    "q8_0": gguf.GGMLQuantizationType.Q8_0,
-}
-TOKEN_NORMAL, TOKEN_CONTROL = gguf.TokenType.NORMAL, gguf.TokenType.CONTROL
+
+
+def _gguf() -> ModuleType:
+    """gguf, imported where a file is read or written: loading a directory never needs it."""
+    return require("gguf", "reading or writing GGUF files")
 
 
 def is_gguf(path: str | Path) -> bool:
@@ -81,10 +83,11 @@ def export_gguf(directory: str | Path, out: str | Path, fmt: str = "f32") -> Pat
         finally:
             full.unlink(missing_ok=True)
         return out
+    gguf = _gguf()
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, local_files_only=True)
     tokenizer = load_tokenizer(directory)
     writer = gguf.GGUFWriter(out, "llama")
-    _write_hyperparameters(writer, config, directory.name, FORMATS[fmt])
+    _write_hyperparameters(writer, config, directory.name, gguf.LlamaFileType[FORMATS[fmt]])
     _write_tokenizer(writer, tokenizer, config)
     for name, tensor in _gguf_tensors(model, config):
         _add_tensor(writer, name, tensor, fmt)
@@ -121,15 +124,16 @@ def _write_tokenizer(writer: gguf.GGUFWriter, tokenizer, config) -> None:
     model = spec.get("model", {})
     if model.get("type") != "BPE" or model.get("byte_fallback"):
         raise SpecdecodeError("GGUF export handles byte-level BPE tokenizers only")
+    kinds = _gguf().TokenType
     size = int(config.vocab_size)
     tokens = [f"[PAD{i}]" for i in range(size)]
-    types = [gguf.TokenType.UNUSED] * size
+    types = [kinds.UNUSED] * size
     for text, token_id in tokenizer.get_vocab().items():
         if token_id < size:
-            tokens[token_id], types[token_id] = text, TOKEN_NORMAL
+            tokens[token_id], types[token_id] = text, kinds.NORMAL
     for added in spec.get("added_tokens", []):
         if added["id"] < size:
-            types[added["id"]] = TOKEN_CONTROL if added.get("special") else gguf.TokenType.USER_DEFINED
+            types[added["id"]] = kinds.CONTROL if added.get("special") else kinds.USER_DEFINED
     merges = [" ".join(pair) if isinstance(pair, list) else pair for pair in model.get("merges", [])]
     with_special = tokenizer("a", add_special_tokens=True)["input_ids"]
     plain = tokenizer("a", add_special_tokens=False)["input_ids"]
@@ -189,7 +193,8 @@ def _pair_adjacent(weight: np.ndarray, heads: int) -> np.ndarray:
 def _add_tensor(writer: gguf.GGUFWriter, name: str, tensor: np.ndarray, fmt: str) -> None:
     """Vectors (norms) stay f32, as llama.cpp keeps them; matrices take the file's type where
     their rows fit its blocks."""
-    qtype = TENSOR_TYPES[fmt]
+    gguf = _gguf()
+    qtype = gguf.GGMLQuantizationType[fmt.upper()]
     block = gguf.GGML_QUANT_SIZES[qtype][0]
     if tensor.ndim < 2 or qtype == gguf.GGMLQuantizationType.F32 or tensor.shape[-1] % block:
         writer.add_tensor(name, np.ascontiguousarray(tensor, dtype=np.float32))
@@ -201,6 +206,7 @@ def _add_tensor(writer: gguf.GGUFWriter, name: str, tensor: np.ndarray, fmt: str
 
 def load_gguf_model(path: Path, dtype: torch.dtype):
     """(model, tokenizer) from a GGUF file through transformers' loader (dequantized)."""
+    _gguf()  # transformers' loader reads the file with it
     try:
         model = AutoModelForCausalLM.from_pretrained(
             path.parent, gguf_file=path.name, dtype=dtype, local_files_only=True
@@ -214,6 +220,7 @@ def load_gguf_model(path: Path, dtype: torch.dtype):
 
 def load_gguf_tokenizer(path: Path):
     """The tokenizer a GGUF file describes, as transformers builds it (all `lookup` needs)."""
+    gguf = _gguf()
     try:
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
         rows = len(gguf.GGUFReader(path).fields["tokenizer.ggml.tokens"].data)

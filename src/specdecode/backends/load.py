@@ -1,14 +1,15 @@
 """Choosing the backend for a model: a Hugging Face directory runs on the native forward where
 it can, else transformers'; a GGUF file runs on llama.cpp's kernels where llama-cpp-python is
-installed, else it is dequantized into the same PyTorch forwards."""
+installed, else it is dequantized into the same PyTorch forwards. llama.cpp's module is
+imported only for a GGUF file, so loading a directory never looks for llama-cpp-python."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from specdecode.backends import llama_cpp as llama_cpp_backend
 from specdecode.backends.gguf_files import is_gguf, load_gguf_model
 from specdecode.backends.hf import (
     HFBackend,
@@ -19,9 +20,11 @@ from specdecode.backends.hf import (
     check_model_directory,
     load_model_config,
 )
-from specdecode.backends.llama_cpp import LlamaCppBackend
 from specdecode.backends.native import NativeBackend, native_unsupported
 from specdecode.errors import SpecdecodeError
+
+if TYPE_CHECKING:
+    from specdecode.backends.llama_cpp import LlamaCppBackend
 
 BACKENDS = ("auto", "native", "hf", "llama.cpp")
 
@@ -50,11 +53,13 @@ def load_backend(path: str | Path, options: LoadOptions = LoadOptions()) -> HFBa
 
 
 def _load_gguf(path: Path, options: LoadOptions) -> HFBackend | LlamaCppBackend:
+    from specdecode.backends import llama_cpp as llama_cpp_backend
+
     use_llama_cpp = options.backend == "llama.cpp" or (
         options.backend == "auto" and llama_cpp_backend.available()
     )
     if use_llama_cpp:
-        return LlamaCppBackend.load(path, options)
+        return llama_cpp_backend.LlamaCppBackend.load(path, options)
     # Without llama.cpp's runtime: transformers dequantizes the file into a PyTorch model.
     device = _check_device(options.device)
     if options.threads:

@@ -13,14 +13,12 @@ from __future__ import annotations
 import argparse
 import platform
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from specdecode.backends.hf import HFBackend, LoadOptions
 from specdecode.backends.load import load_backend
-from specdecode.bench import plots
 from specdecode.bench.metrics import summarize
 from specdecode.bench.report import (
     policy_lines,
@@ -35,11 +33,14 @@ from specdecode.bench.suite import Measurement, rounds, run_suite
 from specdecode.bench.systems import System, build_systems, draft_max_systems, static_grid, system_names
 from specdecode.bench.tasks import TASK_NAMES, Task, build_tasks, custom_task
 from specdecode.defaults import resolve_eagle3, resolve_models
-from specdecode.errors import SpecdecodeError, read_text_file
+from specdecode.errors import SpecdecodeError, read_text_file, require
 from specdecode.generate import check_room
 from specdecode.strategies import DraftModelConfig, NgramSettings
 from specdecode.strategies.eagle3_checkpoint import load_head
 from specdecode.strategies.eagle3_head import Eagle3Head
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 # (prompts per task, tokens per run, measured runs, warm-up rounds, --draft-max sweep)
 MODES = {
@@ -175,6 +176,10 @@ def run_bench(
     read as generate reads them (the tree systems' defaults are bench's own)."""
     chosen = settings(args)
     tasks = bench_tasks(args, chosen["prompts_per_task"])
+    # the bench extra (rich, and matplotlib for the plots): missing, said before any model loads
+    console = require("rich.console", "specdecode bench").Console(stderr=True)
+    if not args.no_plots:
+        require("matplotlib", "specdecode bench (without --no-plots)")
     target, draft, eagle3 = load_models(args, target_options, draft_options)
     names = (
         [name.strip().replace("+", ",") for name in args.systems.split(",")]
@@ -193,7 +198,6 @@ def run_bench(
     sweep_systems = []
     if chosen["sweep"] and draft is not None and tasks[0].name in ("completion", "custom"):
         sweep_systems = [systems[0], *draft_max_systems(chosen["sweep"], target, draft, draft_config)]
-    console = Console(stderr=True)
     measurements, sweep = _measure(tasks, systems, sweep_systems, target, chosen, console)
     rows = summarize(measurements)
     results = {"settings": chosen, "machine": _machine(target), "systems": [s.name for s in systems]}
@@ -230,6 +234,8 @@ def _measure(
     console: Console,
 ) -> tuple[list[Measurement], list[dict]]:
     """The main suite, then the draft-max sweep on the first task's prompts, with one progress bar."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
     per_prompt = len(rounds(systems, chosen["runs"], chosen["warmup"])) * len(systems)
     total = per_prompt * sum(len(t.prompts) for t in tasks)
     if sweep_systems:
@@ -268,11 +274,15 @@ def _measure(
 
 def _stdout_console() -> Console:
     """The tables' console: a terminal's own width, or wide enough for every column in a file."""
+    from rich.console import Console
+
     console = Console()
     return console if console.is_terminal else Console(width=200)
 
 
 def _plots(rows: list[dict], sweep: list[dict], out: Path) -> list[Path]:
+    from specdecode.bench import plots  # matplotlib
+
     written = [
         plots.speedup_by_task(rows, out / "speedup_by_task.png"),
         plots.acceptance_by_position(rows, out / "acceptance_by_position.png"),

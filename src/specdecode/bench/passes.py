@@ -18,9 +18,6 @@ import statistics
 import time
 from pathlib import Path
 
-from rich.console import Console
-from rich.table import Table
-
 from specdecode.backends.hf import DTYPES, HFBackend, LoadOptions
 from specdecode.backends.load import BACKENDS, load_backend
 from specdecode.backends.native import NativeBackend
@@ -73,6 +70,9 @@ def pass_times(backend: HFBackend, rows: tuple[int, ...], reps: int, tree: bool 
 
 
 def run(args: argparse.Namespace) -> None:
+    from rich.console import Console  # the bench extra: before any model loads
+    from rich.table import Table
+
     target_dir, draft_dir = resolve_models(args.model, args.model_draft)
     configurations = [
         LoadOptions(dtype="float32", threads=args.threads, backend="hf"),

@@ -16,13 +16,14 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
-
-from rich.console import Console
-from rich.table import Table
+from typing import TYPE_CHECKING
 
 from specdecode.bench.systems import ADAPTIVE, static_base
 from specdecode.errors import SpecdecodeError
 from specdecode.policy import PolicyModels
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 COLUMNS = (
     "system",
@@ -77,6 +78,8 @@ def by_task(rows: Sequence[dict]) -> dict[str, list[dict]]:
 
 
 def print_tables(rows: Sequence[dict], console: Console) -> None:
+    from rich.table import Table
+
     for task, task_rows in by_task(rows).items():
         table = Table(title=f"task: {task}", title_justify="left")
         for i, column in enumerate(COLUMNS):

@@ -29,9 +29,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-
-from rich.console import Console
-from rich.table import Table
+from typing import TYPE_CHECKING
 
 from specdecode.api import Pipeline
 from specdecode.backends.gather import DraftPasses
@@ -40,11 +38,14 @@ from specdecode.backends.load import load_backend
 from specdecode.bench.systems import ADAPTIVE
 from specdecode.bench.tasks import build_tasks
 from specdecode.defaults import resolve_models
-from specdecode.errors import SpecdecodeError
+from specdecode.errors import SpecdecodeError, require
 from specdecode.generate import Generation, GenerationConfig
 from specdecode.sampling import SamplingParams
 from specdecode.scheduler import BatchEngine, Entry, LoadRule
 from specdecode.strategies import DraftModelConfig
+
+if TYPE_CHECKING:
+    from rich.table import Table
 
 DEFAULT_SYSTEMS = (
     "threads,batched,batched:draft,batched:draft@adaptive,batched:ngram-mod,batched:ngram-mod@adaptive"
@@ -115,6 +116,9 @@ def run(args: argparse.Namespace) -> None:
     levels = [int(c) for c in args.concurrency.split(",")]
     if any(c < 1 for c in levels) or args.requests < 1:
         raise SpecdecodeError("concurrencies and --requests must be >= 1")
+    # the bench extra (rich, matplotlib for the plot): missing, said before any model loads
+    console = require("rich.console", "specdecode bench-serve").Console()
+    require("matplotlib", "specdecode bench-serve")
     model, draft_dir = resolve_models(args.model, args.model_draft)
     options = LoadOptions(device=args.device, dtype=args.dtype, threads=args.threads)
     target = load_backend(model, options)
@@ -123,7 +127,6 @@ def run(args: argparse.Namespace) -> None:
     config = GenerationConfig(n_predict=args.n_predict, ignore_eos=True)
     draft_config = DraftModelConfig(n_max=args.draft_max, p_min=args.draft_p_min)
     rule = LoadRule.timed(target.fork())
-    console = Console()
     console.print(
         f"target {model}  draft {draft_dir}  device {args.device}  {args.n_predict} tokens a request"
     )
@@ -289,6 +292,8 @@ def _baseline(systems: list[str], position: int) -> str:
 
 
 def _table(rows: list[dict], systems: list[str], levels: list[int]) -> Table:
+    from rich.table import Table
+
     table = Table(title="tokens/s (p50 latency s) by concurrency; x: vs its baseline")
     table.add_column("system")
     for c in levels:

@@ -30,7 +30,6 @@ from specdecode.export.engines import (
     write_sglang,
     write_speculators,
 )
-from specdecode.export.gguf import TYPES, check_model_gguf, write_head_gguf
 from specdecode.strategies.eagle3_checkpoint import load_head
 
 ENGINES = ("vllm", "sglang", "llama.cpp")
@@ -48,6 +47,8 @@ def parse_engines(text: str) -> list[str]:
 
 def run_export(args: argparse.Namespace) -> None:
     engines = parse_engines(args.engines)
+    if "llama.cpp" in engines:  # the gguf package (the gguf extra): only to write GGUF files
+        from specdecode.export.gguf import TYPES, check_model_gguf, write_head_gguf
     if args.draft_max < 1:
         raise SpecdecodeError(f"--draft-max must be >= 1, not {args.draft_max}")
     head_dir = resolve_eagle3(args.model, args.model_eagle3)

@@ -15,7 +15,7 @@ import hashlib
 import json
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, TypeVar
 
@@ -31,7 +31,6 @@ from specdecode.backends.gather import DraftPasses
 from specdecode.constraints import compile_constraint, grammar_tokenizer
 from specdecode.errors import SpecdecodeError
 from specdecode.generate import Chunk, Generation, GenerationConfig
-from specdecode.sampling import SamplingParams
 from specdecode.server.chat import chat_prompt_ids, encode, template
 from specdecode.server.errors import (
     NOT_SUPPORTED,
@@ -64,6 +63,7 @@ from specdecode.server.schemas import (
     SamplingFields,
     TokenizeRequest,
 )
+from specdecode.server.settings import ServerSettings
 from specdecode.server.slots import Closing, Job, Run, SlotPool
 from specdecode.server.tokens import Tokenizers, decode, pieces
 from specdecode.strategies import DraftModelConfig
@@ -76,33 +76,6 @@ try:
     VERSION = version("specdecode")
 except PackageNotFoundError:  # run from a source tree
     VERSION = "source"
-
-
-@dataclass(frozen=True)
-class ServerSettings:
-    model_id: str  # the name /v1/models lists and requests may give as "model"
-    parallel: int = 4  # slots: generations running at once; more requests wait in a queue
-    sampling: SamplingParams = SamplingParams()  # for the fields a request leaves out
-    verify: str = "match"
-    max_tokens: int = 2048  # the most a request may ask for; also the default when it asks nothing
-    max_body_bytes: int = 4 * 1024 * 1024
-    api_key: str | None = None
-    accept_any_model: bool = False  # True: any "model" a request names is served by the one model
-    cors_origins: tuple[str, ...] = ()  # origins browsers may call from ("*": any); none: no CORS
-    shutdown_grace: float = 10.0  # seconds running generations get to finish at shutdown
-    model_path: str = ""  # what /props reports (default: the model's name)
-
-    def __post_init__(self) -> None:
-        if self.parallel < 1:
-            raise SpecdecodeError("--parallel must be >= 1")
-        if self.max_tokens < 1:
-            raise SpecdecodeError("--max-tokens-limit must be >= 1")
-        if self.max_body_bytes < 1:
-            raise SpecdecodeError("--max-body-bytes must be >= 1")
-        if self.api_key is not None and not self.api_key.strip():
-            raise SpecdecodeError("the API key is empty: give a key, or no --api-key for an open server")
-        if self.shutdown_grace < 0:
-            raise SpecdecodeError("--shutdown-grace must be >= 0")
 
 
 class Service:

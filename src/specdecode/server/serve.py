@@ -1,5 +1,5 @@
-"""Start-up of `specdecode serve`: its flags, the listening socket, the banner, uvicorn,
-and the shutdown.
+"""Start-up of `specdecode serve`: the listening socket, the banner, uvicorn, and the
+shutdown (its flags are in `settings`).
 
 The socket is bound before the models load, so a port in use fails at once with one
 `error:` line rather than after loading. On SIGTERM or SIGINT the server stops accepting,
@@ -9,9 +9,7 @@ answers requests still waiting for a slot with 503, lets running generations fin
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import os
 import socket
 
 import uvicorn
@@ -19,57 +17,10 @@ from fastapi import FastAPI
 
 from specdecode.api import Pipeline
 from specdecode.errors import SpecdecodeError
-from specdecode.sampling import SamplingParams
-from specdecode.server.app import ServerSettings, create_app
+from specdecode.server.app import create_app
+from specdecode.server.settings import ServerSettings
 
-DEFAULTS = ServerSettings(model_id="")
-API_KEY_VARIABLE = "SPECDECODE_API_KEY"
 CUT_MARGIN_S = 5  # after the grace: for cut generations to end their current step and streams
-
-
-def add_server_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("server")
-    group.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
-    group.add_argument("--port", type=int, default=8080, help="port to listen on (0: any free port)")
-    group.add_argument(
-        "-np",
-        "--parallel",
-        type=int,
-        default=DEFAULTS.parallel,
-        help="requests generated at once (slots sharing the weights); more wait in a queue",
-    )
-    group.add_argument(
-        "--api-key",
-        help=f"require 'Authorization: Bearer KEY' on every path but /health (default: ${API_KEY_VARIABLE})",
-    )
-    group.add_argument("--alias", help="model id served in /v1/models (default: the target's directory name)")
-    group.add_argument(
-        "--max-tokens-limit",
-        type=int,
-        default=DEFAULTS.max_tokens,
-        help="largest max_tokens a request may ask; requests without one generate up to it",
-    )
-    group.add_argument(
-        "--max-body-bytes", type=int, default=DEFAULTS.max_body_bytes, help="largest request body accepted"
-    )
-    group.add_argument(
-        "--accept-any-model",
-        action="store_true",
-        help="serve requests whatever model they name (for clients that hard-code one); default: 404",
-    )
-    group.add_argument(
-        "--cors",
-        action="append",
-        metavar="ORIGIN",
-        help="let browsers call from ORIGIN (repeat or comma-separate; '*': any); default: no CORS",
-    )
-    group.add_argument(
-        "--shutdown-grace",
-        type=float,
-        default=DEFAULTS.shutdown_grace,
-        metavar="SECONDS",
-        help="on SIGTERM, how long running generations may go on before they are cut",
-    )
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -81,24 +32,6 @@ def listen(host: str, port: int) -> socket.socket:
         return socket.create_server((host, port), family=family)
     except OSError as exc:
         raise SpecdecodeError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
-
-
-def settings_from_args(
-    args: argparse.Namespace, pipeline: Pipeline, sampling: SamplingParams
-) -> ServerSettings:
-    return ServerSettings(
-        model_id=args.alias or pipeline.target.name,
-        parallel=args.parallel,
-        sampling=sampling,
-        verify=args.verify,
-        max_tokens=args.max_tokens_limit,
-        max_body_bytes=args.max_body_bytes,
-        api_key=args.api_key if args.api_key is not None else os.environ.get(API_KEY_VARIABLE),
-        accept_any_model=args.accept_any_model,
-        cors_origins=tuple(origin.strip() for given in args.cors or () for origin in given.split(",")),
-        shutdown_grace=args.shutdown_grace,
-        model_path=str(args.model),
-    )
 
 
 def banner(sock: socket.socket, pipeline: Pipeline, settings: ServerSettings) -> str:
