@@ -12,12 +12,15 @@ store shared by forks, CUDA graphs per row count), run here without graphs on th
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from conftest import VOCAB_SIZE, cached_tokenizer
 from test_native import FAMILIES, IDS, SCRIPT, assert_agree, bf16_draft, bf16_llama, family_model, hf
 
 from specdecode import DraftModelConfig, GenerationConfig, LoadOptions, Pipeline, SamplingParams
+from specdecode.backends import graph as graph_module
 from specdecode.backends.batch import RowGroup, evaluate_groups
 from specdecode.backends.graph import FIXED_ROWS, GraphBackend
 from specdecode.backends.load import native_backend, native_kind
@@ -102,10 +105,11 @@ def test_shared_passes_give_each_sequence_its_own_logits(mode):
     assert len({backend.seat for backend in forks}) == 3 and first.passes.seats >= 3
 
 
-def test_the_store_grows_without_losing_cached_entries():
+def test_the_store_grows_without_losing_cached_entries(monkeypatch):
+    monkeypatch.setattr(graph_module, "FIRST_SLOTS", 128)
     model = family_model("qwen2-tied")
     ours, reference = graph(model, n_ctx=256), hf(model, n_ctx=256)
-    long_prompt = (IDS * 3)[:200]  # past the first seat size: slots double
+    long_prompt = (IDS * 3)[:200]  # past the first seat size: slots grow
     assert_agree(ours.evaluate(long_prompt, 1), reference.evaluate(long_prompt, 1))
     late = ours.fork()  # a second seat after the first holds 200 entries
     assert_agree(ours.evaluate(IDS[:5]), reference.evaluate(IDS[:5]))
@@ -182,14 +186,16 @@ def test_batched_generation_on_graph_passes_equals_each_alone(exactness_log):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("mode", list(MODES))
 def test_replayed_graphs_equal_eager_passes(mode):
-    model = family_model("llama-gqa").to("cuda", torch.float32)
+    model = copy.deepcopy(family_model("llama-gqa")).to("cuda", torch.float32)
     ours = graph(model, mode)
-    eager = graph(model, mode)
+    eager = graph(model, mode, n_ctx=200)  # another context size: an engine of its own
     eager.passes.use_graphs = False
     for backend in (ours, eager):
         backend.evaluate(IDS[:20])
     for step in range(3):
-        assert torch.equal(ours.evaluate(IDS[20 + step : 21 + step]), eager.evaluate(IDS[20 + step : 21 + step]))
+        assert torch.equal(
+            ours.evaluate(IDS[20 + step : 21 + step]), eager.evaluate(IDS[20 + step : 21 + step])
+        )
     tree = ([5, 6, 7], [-1, 0, 0])
     assert torch.equal(ours.evaluate_tree(*tree), eager.evaluate_tree(*tree))
     assert ours.passes.graphs
@@ -220,3 +226,20 @@ def test_cli_passes_flag_keeps_the_output(saved_model_dir, capsys):
         assert main([*args, "--dtype", "float32", "--passes", passes]) == 0
         outputs.append(capsys.readouterr().out.splitlines()[0])
     assert outputs[0] == outputs[1] == outputs[2]
+
+
+@pytest.mark.parametrize(
+    ("passes", "tree_flags", "warned"),
+    [
+        ("fixed", [], None),
+        ("fixed", ["--draft-n-parallel", "2"], "tree nodes"),
+        ("bucketed", [], "near-ties"),
+    ],
+)
+def test_cli_says_up_front_where_graph_passes_may_leave_plain_output(
+    saved_model_dir, capsys, passes, tree_flags, warned
+):
+    args = ["generate", "-m", str(saved_model_dir), "-md", str(saved_model_dir), "--temp", "0", "-n", "4"]
+    assert main([*args, "-p", "x", "--dtype", "float32", "--passes", passes, *tree_flags]) == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    assert (warnings == []) if warned is None else (len(warnings) == 1 and warned in warnings[0])

@@ -16,7 +16,7 @@ from pathlib import Path
 from transformers.utils import logging as hf_logging
 
 from specdecode.api import Pipeline
-from specdecode.backends.hf import DTYPES, LoadOptions
+from specdecode.backends.hf import DTYPES, PASSES, LoadOptions
 from specdecode.backends.load import BACKENDS
 from specdecode.bench import command as bench_command
 from specdecode.bench import constrained as bench_constrained
@@ -115,6 +115,14 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
         help="model forward: native (lean, Llama-family models), hf (transformers'), llama.cpp "
         "(GGUF files, with the llama-cpp extra), auto (llama.cpp for GGUF files where installed, "
         "else native where it runs)",
+    )
+    group.add_argument(
+        "--passes",
+        default="auto",
+        choices=PASSES,
+        help="native forward's passes: invariant (row-invariant, the CPU's), fixed (CUDA graphs of "
+        "one row count: chains bit-identical to plain), bucketed (CUDA graphs of power-of-two row "
+        "counts: fastest, output may differ at near-ties), auto (fixed on a GPU, else invariant)",
     )
     group.add_argument(
         "-ngl",
@@ -308,6 +316,7 @@ def load_options(args: argparse.Namespace) -> tuple[LoadOptions, LoadOptions]:
         backend=args.backend,
         gpu_layers=args.gpu_layers,
         repack=not args.no_repack,
+        passes=args.passes,
     )
     draft = LoadOptions(
         args.device_draft or args.device,
@@ -318,6 +327,7 @@ def load_options(args: argparse.Namespace) -> tuple[LoadOptions, LoadOptions]:
         backend=args.backend,
         gpu_layers=args.gpu_layers_draft if args.gpu_layers_draft is not None else args.gpu_layers,
         repack=not args.no_repack,
+        passes=args.passes,
     )
     return target, draft
 
@@ -346,11 +356,12 @@ def pipeline_from_args(args: argparse.Namespace) -> Pipeline:
     )
     if pipeline.eagle3 is not None:
         print(f"note: {pipeline.eagle3.layer_note}", file=sys.stderr)
-    # llama.cpp's backend alone has rows that may vary with the pass (asked by name: its module
-    # is imported only for GGUF files)
+    # Backends whose rows may vary with the pass (llama.cpp's, the graph passes) say so up front
+    # (asked by name: llama.cpp's module is imported only for GGUF files)
     row_variance_warning = getattr(pipeline.target, "row_variance_warning", None)
     if pipeline.spec_types and row_variance_warning is not None:
-        warning = row_variance_warning()
+        config = pipeline.draft_config
+        warning = row_variance_warning(trees=config.n_parallel > 1 or config.tree_tokens > 0)
         if warning is not None:
             print(f"warning: {warning}", file=sys.stderr)
     return pipeline

@@ -13,8 +13,10 @@ one fixed sequence of kernels over static buffers, the same for every kind of ro
   those columns drives a single attention call per layer for every row.
 - The KV store is shared by the forks of one model: a seat of S slots per sequence, grown by
   doubling (S) or by seats (P). Rejected drafts' entries simply stay in their slots, unseen.
-- A pass of R rows replays the graph captured for R rows (captured on first use; grown
-  buffers drop the graphs).
+  Attention reads only the seats of the sequences in the pass (one contiguous view), and each
+  seat's last slot is a scratch slot where padding rows write.
+- A pass of R rows over a span of seats replays the graph captured for those shapes
+  (captured on first use; grown buffers drop the graphs).
 
 Exactness. A GPU's matrix kernels are chosen by the shapes of a product, and their order of
 summation with them: one row alone and the same row among k others may differ in the last bit,
@@ -48,10 +50,13 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from specdecode.backends.hidden import HiddenRows
 from specdecode.backends.native import NativeBackend, NativeWeights, _rms_norm, _rotate
 
+FIRST_SLOTS = 2048  # a seat's first size: most requests never grow it (each growth recaptures)
 FIXED_ROWS = 32  # rows of every pass in fixed mode: a default verify pass (17) and a batch of 32
 MAX_GRAPH_ROWS = 128  # bucketed mode: the largest pass replayed from a graph
 ANCESTOR_SLOTS = 32  # tree path slots a row names in a graph pass (deeper paths run eagerly)
-SLOT_ALIGN = 16  # seats are multiples of this many slots (the attention kernels' mask alignment)
+# Seats are multiples of this many slots: the mask's alignment, and whole key blocks of the
+# attention kernels, so a row's own seat is summed in the same blocks wherever it lies in a span.
+SLOT_ALIGN = 128
 # Columns of a pass's row table, then the ancestor slots.
 ID, POSITION, SLOT, LO, HI = range(5)
 FIRST_ANCESTOR = 5
@@ -83,7 +88,9 @@ class GraphPasses:
     """The KV store and the captured passes shared by the forks of one model (per context
     size and mode); each fork holds a seat."""
 
-    def __init__(self, weights: NativeWeights, n_ctx: int, fixed_rows: int | None, device: torch.device) -> None:
+    def __init__(
+        self, weights: NativeWeights, n_ctx: int, fixed_rows: int | None, device: torch.device
+    ) -> None:
         self.weights = weights
         self.n_ctx = n_ctx
         self.fixed_rows = fixed_rows
@@ -97,9 +104,8 @@ class GraphPasses:
         self.keys = self.values = torch.empty(0)
         self.cos = self.sin = torch.empty(0)
         self.graphs: dict[tuple, _Graph] = {}
-        self.memory_pool = None
         self.timing: list[tuple[torch.cuda.Event, torch.cuda.Event]] | None = None
-        self._resize(1, min(self.max_slots, _align(256)))
+        self._resize(1, min(self.max_slots, _align(FIRST_SLOTS)))
 
     # --- seats and slots -------------------------------------------------------------------
 
@@ -120,11 +126,6 @@ class GraphPasses:
         if needed + 1 > self.slots:
             self._resize(self.seats, min(self.max_slots, _align(max(needed + 1, 2 * self.slots))))
 
-    @property
-    def scratch(self) -> int:
-        """A slot no sequence ever sees (past the last seat's context): padding rows write there."""
-        return self.seats * self.slots - 1
-
     def _resize(self, seats: int, slots: int) -> None:
         """New buffers of `seats` x `slots`, keeping every seat's entries; graphs are recaptured."""
         w = self.weights
@@ -141,7 +142,6 @@ class GraphPasses:
         positions = torch.arange(slots, device=self.device)[None]
         cos, sin = w.rotary(torch.empty(0, dtype=self.dtype, device=self.device), positions)
         self.cos, self.sin = cos[0], sin[0]  # [slots, head_dim]
-        self.columns = torch.arange(seats * slots, device=self.device)
         self.graphs.clear()
 
     def commit(self, seat: int, prefix: int, path: Sequence[int]) -> None:
@@ -160,32 +160,37 @@ class GraphPasses:
         stream entering each `recorded` layer, for every row."""
         rows = len(table)
         depth = max(len(row) for row in table) - FIRST_ANCESTOR
+        seats = [row[SLOT] // self.slots for row in table]
+        span = (min(seats), max(seats) + 1 - min(seats))
         if self.fixed_rows is not None:
             chunk = self.fixed_rows
         elif rows <= MAX_GRAPH_ROWS:
             chunk = 1 << (rows - 1).bit_length()
         else:
             chunk = rows
-        pieces = [self._run_chunk(table[start : start + chunk], chunk, depth, recorded)
-                  for start in range(0, rows, chunk)]
+        pieces = [
+            self._run_chunk(table[start : start + chunk], chunk, depth, span, recorded)
+            for start in range(0, rows, chunk)
+        ]
         logits = torch.cat([piece[0] for piece in pieces])[:rows]
         captured = [torch.cat([piece[1][i] for piece in pieces])[:rows] for i in range(len(recorded))]
         return (logits if keep is None else logits[keep]), captured
 
     def _run_chunk(
-        self, table: list[list[int]], rows: int, depth: int, recorded: tuple[int, ...]
+        self, table: list[list[int]], rows: int, depth: int, span: tuple[int, int], recorded: tuple[int, ...]
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """One pass of exactly `rows` rows (the table padded with rows that only see scratch)."""
+        """One pass of exactly `rows` rows over the seats of `span` (first, count): the table
+        padded with rows that write and see only the span's scratch slot."""
         width = FIRST_ANCESTOR + max(depth, ANCESTOR_SLOTS if self.use_graphs else depth, 1)
         padded = [_pad(row, width) for row in table]
-        pad = [0, 0, self.scratch, 0, 0] + [self.scratch] * (width - FIRST_ANCESTOR)
-        padded += [pad] * (rows - len(table))
+        scratch = self._scratch(span)
+        padded += [[0, 0, scratch, 0, 0] + [scratch] * (width - FIRST_ANCESTOR)] * (rows - len(table))
         host = torch.tensor(padded, dtype=torch.long)
         start = self._begin_timing()
         if not self.use_graphs or width > FIRST_ANCESTOR + ANCESTOR_SLOTS or rows > MAX_GRAPH_ROWS:
-            logits, captured = self._compute(host.to(self.device), recorded)
+            logits, captured = self._compute(host.to(self.device), span, recorded)
         else:
-            graph = self._graph(rows, width, recorded)
+            graph = self._graph(rows, width, span, recorded)
             graph.table.copy_(host, non_blocking=False)
             graph.graph.replay()
             assert graph.logits is not None
@@ -193,36 +198,47 @@ class GraphPasses:
         self._end_timing(start)
         return logits[: len(table)], [state[: len(table)] for state in captured]
 
-    def _graph(self, rows: int, width: int, recorded: tuple[int, ...]) -> _Graph:
-        key = (rows, width, recorded)
+    def _scratch(self, span: tuple[int, int]) -> int:
+        """The span's last slot: past every context of its seats (see `reserve`), never seen."""
+        return (span[0] + span[1]) * self.slots - 1
+
+    def _graph(self, rows: int, width: int, span: tuple[int, int], recorded: tuple[int, ...]) -> _Graph:
+        """The captured pass for these shapes (the span is part of them: attention reads its
+        seats' slots as one view). Each graph has its own memory pool."""
+        key = (rows, width, span, recorded)
         if key not in self.graphs:
             graph = _Graph(rows, width, self.device)
-            graph.table[:, SLOT] = self.scratch  # warm-up and capture touch only the scratch slot
-            graph.table[:, FIRST_ANCESTOR:] = self.scratch
+            graph.table[:, SLOT] = self._scratch(span)  # warm-up and capture touch only scratch
+            graph.table[:, FIRST_ANCESTOR:] = self._scratch(span)
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for _ in range(2):
-                    self._compute(graph.table, recorded)
+                    self._compute(graph.table, span, recorded)
             torch.cuda.current_stream().wait_stream(stream)
-            if self.memory_pool is None:
-                self.memory_pool = torch.cuda.graph_pool_handle()
-            with torch.cuda.graph(graph.graph, pool=self.memory_pool):
-                graph.logits, graph.captured = self._compute(graph.table, recorded)
+            with torch.cuda.graph(graph.graph):
+                graph.logits, graph.captured = self._compute(graph.table, span, recorded)
             self.graphs[key] = graph
         return self.graphs[key]
 
-    def _compute(self, table: torch.Tensor, recorded: tuple[int, ...]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """The forward of a row table on the device: static shapes, no host synchronisation."""
+    def _compute(
+        self, table: torch.Tensor, span: tuple[int, int], recorded: tuple[int, ...]
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The forward of a row table on the device: static shapes, no host synchronisation.
+        Attention reads the slots of the span's seats alone."""
         w = self.weights
         n = table.shape[0]
         group = w.n_heads // w.n_kv_heads
         slots = table[:, SLOT]
-        visible = (self.columns >= table[:, LO, None]) & (self.columns < table[:, HI, None])
-        visible.scatter_(1, table[:, FIRST_ANCESTOR:], True)
+        first, last = span[0] * self.slots, (span[0] + span[1]) * self.slots
+        columns = torch.arange(first, last, device=self.device)
+        visible = (columns >= table[:, LO, None]) & (columns < table[:, HI, None])
+        visible.scatter_(1, table[:, FIRST_ANCESTOR:] - first, True)
         # Query heads that share a key head are folded into rows: [KV, group * n, D] against
         # [KV, slots, D], so grouped-query attention needs no copies of the keys.
-        mask = visible.repeat(group, 1)[None, None]
+        # Additive, made once per pass (a boolean mask would be converted in every layer's call).
+        mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device)
+        mask = mask.masked_fill_(~visible, float("-inf")).repeat(group, 1)[None, None]
         cos, sin = self.cos[table[:, POSITION]], self.sin[table[:, POSITION]]
         captured: list[torch.Tensor] = []
         x = F.embedding(table[:, ID], w.embeddings)
@@ -239,8 +255,8 @@ class GraphPasses:
             self.values[index].index_copy_(1, slots, v.view(n, w.n_kv_heads, w.head_dim).transpose(0, 1))
             attended = F.scaled_dot_product_attention(
                 q.reshape(w.n_kv_heads, group * n, w.head_dim)[None],
-                self.keys[index][None],
-                self.values[index][None],
+                self.keys[index, :, first:last][None],
+                self.values[index, :, first:last][None],
                 attn_mask=mask,
             )[0]
             attended = attended.reshape(w.n_heads, n, w.head_dim).transpose(0, 1).reshape(n, -1)
@@ -279,7 +295,9 @@ def _pad(row: list[int], width: int) -> list[int]:
 _ENGINES: weakref.WeakKeyDictionary[NativeWeights, dict[tuple, GraphPasses]] = weakref.WeakKeyDictionary()
 
 
-def shared_passes(weights: NativeWeights, n_ctx: int, fixed_rows: int | None, device: torch.device) -> GraphPasses:
+def shared_passes(
+    weights: NativeWeights, n_ctx: int, fixed_rows: int | None, device: torch.device
+) -> GraphPasses:
     """The passes engine of these weights for this context size and mode, made once."""
     engines = _ENGINES.setdefault(weights, {})
     key = (n_ctx, fixed_rows)
@@ -316,6 +334,23 @@ class GraphBackend(NativeBackend):
 
     def _options(self) -> dict:
         return {**super()._options(), "fixed_rows": self.passes.fixed_rows}
+
+    def row_variance_warning(self, trees: bool) -> str | None:
+        """What a speculative run should be told where its output may leave plain output's
+        (see the module docstring): any bucketed run; a fixed run that may draft trees."""
+        if self.passes.fixed_rows is None:
+            return (
+                f"{self.name} runs passes of power-of-two row counts (--passes bucketed), which may round a "
+                "row differently than a one-row pass: speculative output equals plain output up to "
+                "near-ties only (bit for bit: --passes fixed for chains, --passes invariant for trees too)"
+            )
+        if trees:
+            return (
+                f"{self.name}'s tree nodes attend to their ancestors at scattered cache slots, summed in "
+                "another order than a chain's: output with trees equals plain output up to near-ties "
+                "only (chains are bit for bit; --passes invariant makes trees so too, at its cost)"
+            )
+        return None
 
     @property
     def pass_key(self) -> object:
@@ -359,7 +394,9 @@ class GraphBackend(NativeBackend):
     def _run(self, parts: Sequence[GraphRows], keep: int | torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         table = [row for part in parts for row in part.table]
         layers = tuple(
-            sorted({layer for part in parts if part.recorder is not None for layer in part.recorder.layer_ids})
+            sorted(
+                {layer for part in parts if part.recorder is not None for layer in part.recorder.layer_ids}
+            )
         )
         chosen = torch.arange(len(table) - keep, len(table)) if isinstance(keep, int) else keep
         logits, captured = self.passes.run(table, chosen.to(self.device), layers)
@@ -389,4 +426,3 @@ class GraphBackend(NativeBackend):
 
 def _nothing() -> None:
     """A tree part's cache needs nothing after its pass: its nodes wait for commit."""
-

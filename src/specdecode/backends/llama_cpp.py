@@ -197,8 +197,9 @@ class LlamaCppBackend:
             self.model.probe = self.probe_invariance()
         return self.model.probe.invariant
 
-    def row_variance_warning(self) -> str | None:
-        """What a speculative run on this model should be told when its rows are not invariant."""
+    def row_variance_warning(self, trees: bool) -> str | None:
+        """What a speculative run on this model should be told when its rows are not invariant
+        (`trees`, whether it may draft trees, changes nothing: any multi-row pass may vary)."""
         if self.invariant:
             return None
         probe, agreed = self.model.probe, self.model.invariant_rows

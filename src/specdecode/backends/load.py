@@ -9,8 +9,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from specdecode.backends.gguf_files import is_gguf, load_gguf_model
+from specdecode.backends.graph import GraphBackend
 from specdecode.backends.hf import (
     HFBackend,
     LoadOptions,
@@ -46,7 +48,7 @@ def load_backend(path: str | Path, options: LoadOptions = LoadOptions()) -> HFBa
     directory = check_model_directory(path)
     reason = native_unsupported(load_model_config(directory))
     if reason is None:
-        return NativeBackend.load(directory, options)
+        return native_kind(options.passes, _check_device(options.device)).load(directory, options)
     if options.backend == "native":
         raise SpecdecodeError(f"{directory}: the native backend cannot run this model: {reason}")
     return HFBackend.load(directory, options)
@@ -71,7 +73,7 @@ def _load_gguf(path: Path, options: LoadOptions) -> HFBackend | LlamaCppBackend:
     reason = native_unsupported(model.config)
     if options.backend == "native" and reason is not None:
         raise SpecdecodeError(f"{path}: the native backend cannot run this model: {reason}")
-    kind = NativeBackend if reason is None and options.backend != "hf" else HFBackend
+    kind = native_kind(options.passes, device) if reason is None and options.backend != "hf" else HFBackend
     return kind(
         model,
         tokenizer,
@@ -79,4 +81,20 @@ def _load_gguf(path: Path, options: LoadOptions) -> HFBackend | LlamaCppBackend:
         n_batch=options.n_batch,
         threads=options.threads,
         name=path.stem,
+        **kind.pass_options(options),
     )
+
+
+def native_kind(passes: str, device: torch.device) -> type[NativeBackend]:
+    """The native forward's class for a kind of passes ("auto": graph passes on a GPU)."""
+    if passes == "invariant" or (passes == "auto" and device.type != "cuda"):
+        return NativeBackend
+    return GraphBackend
+
+
+def native_backend(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, passes: str = "auto", **options
+) -> NativeBackend:
+    """The native forward over a model already in memory (see `LoadOptions.passes`)."""
+    kind = native_kind(passes, next(model.parameters()).device)
+    return kind(model, tokenizer, **options, **kind.pass_options(LoadOptions(passes=passes)))
