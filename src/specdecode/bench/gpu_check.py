@@ -59,6 +59,7 @@ from specdecode.api import Pipeline, Result
 from specdecode.backends import Backend
 from specdecode.backends.batch import RowGroup, evaluate_groups
 from specdecode.backends.hf import DTYPES, load_tokenizer
+from specdecode.backends.load import native_backend
 from specdecode.chain import Chain
 from specdecode.defaults import bundled_pair
 from specdecode.generate import Generation, GenerationConfig
@@ -355,34 +356,8 @@ def release() -> None:
         torch.cuda.empty_cache()
 
 
-def native_factory() -> tuple[Callable[..., Backend] | None, str]:
-    """(`native_backend`, which builds the passes mode asked for, "") or, where this
-    installation has none, (None, why)."""
-    try:
-        from specdecode.backends.load import native_backend
-    except ImportError as exc:
-        return None, str(exc)
-    return native_backend, ""
-
-
 def make_backend(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, mode: str, name: str) -> Backend:
-    factory, _ = native_factory()
-    if factory is None:  # only "invariant" runs then (see resolve_modes)
-        from specdecode.backends.native import NativeBackend
-
-        return NativeBackend(model, tokenizer, n_ctx=N_CTX, name=name)
-    return factory(model, tokenizer, passes=mode, n_ctx=N_CTX, name=name)
-
-
-def resolve_modes(modes: list[str], report: Report) -> list[str]:
-    factory, why = native_factory()
-    if factory is not None:
-        return modes
-    report.note(
-        f"no specdecode.backends.load.native_backend ({why}): NativeBackend, the invariant design, "
-        f"runs alone in place of the passes modes asked for ({', '.join(modes)})"
-    )
-    return ["invariant"]
+    return native_backend(model, tokenizer, passes=mode, n_ctx=N_CTX, name=name)
 
 
 def busy_seconds(backend: Backend) -> float | None:
@@ -1078,8 +1053,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         device=device,
         sizes=sizes,
         dtypes=[DTYPES[name] for name in args.dtypes],
-        exact_modes=resolve_modes(args.exact_modes, report),
-        timing_modes=resolve_modes(args.timing_modes, report),
+        exact_modes=args.exact_modes,
+        timing_modes=args.timing_modes,
         shapes=[SHAPES[name] for name in args.shapes],
     )
     settings.update(exact_modes=run.exact_modes, timing_modes=run.timing_modes)
