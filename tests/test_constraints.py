@@ -72,6 +72,13 @@ FULL_MATCH = {
     "gbnf-list": r"\[(def|self|[a-z][a-z]?)(,(def|self|[a-z][a-z]?))*\]",
 }
 GREEDY = SamplingParams(temperature=0)
+
+
+def alternatives(n: int) -> str:
+    """A GBNF grammar whose root rule has n alternatives."""
+    return "root ::= " + " | ".join(f'"w{i}"' for i in range(n)) + "\n"
+
+
 SETTINGS = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow], "max_examples": 25}
 
 
@@ -278,11 +285,21 @@ def test_mask_rows_walk_a_tree_and_roll_back() -> None:
         ("json_schema", "{not json", "invalid json schema"),
         ("json_schema", "[1, 2]", "must be a JSON object"),
         ("json_schema", json.dumps({"type": "nonsense"}), "invalid json schema"),
+        ("grammar", alternatives(2001), "rule 'root' has 2001 alternatives"),
+        ("grammar", 'root ::= "q" (' + alternatives(2001)[9:-1] + ")", "has 2001 alternatives"),
     ],
 )
 def test_bad_constraints_are_refused(kind, text, message) -> None:
     with pytest.raises(SpecdecodeError, match=message):
         constraint_for(ConstraintSpec(kind, text))
+
+
+def test_most_alternatives_a_rule_may_have_generate() -> None:
+    """2,000 alternatives in one rule: accepted, and the engine's rows hold them at every token."""
+    spec = ConstraintSpec("grammar", alternatives(2000))
+    pipe = Pipeline(backend(target_model(TargetSpec())))
+    out = pipe.generate("x", GREEDY, GenerationConfig(n_predict=8), spec)
+    assert re.fullmatch(r"w[0-9]+", out.text) and out.stats.stop_reason in ("grammar", "eos")
 
 
 def test_unknown_kind_is_refused() -> None:

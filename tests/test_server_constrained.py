@@ -190,6 +190,7 @@ def test_json_object_and_grammar(client) -> None:
             "response_format",
         ),
         ("/completion", {"grammar": "root ::= missing"}, "grammar"),
+        ("/completion", {"grammar": "root ::= " + " | ".join(f'"w{i}"' for i in range(2001))}, "grammar"),
         ("/completion", {"grammar": 'root ::= "a"', "json_schema": {}}, None),
         (
             "/completion",

@@ -48,12 +48,44 @@ if TYPE_CHECKING:
 KINDS = ("grammar", "json_schema", "regex")
 JSON_OPTIONS = {"whitespace_flexible": False}
 FEATURE = "constrained generation (a grammar, JSON schema or regex)"
+# The most alternatives one GBNF rule may have. The engine puts a rule's alternatives in one row
+# of its parser, and fails at the first token whose row holds more items than its limit; rows
+# are sized with room for the items around the largest rule.
+MAX_ALTERNATIVES = 2000
+ROW_ITEMS = 2 * MAX_ALTERNATIVES
 
 
 def _engine(module: str = "llguidance") -> ModuleType:
     """llguidance (or one of its modules), imported by the first constraint: generation without
     one never loads it, and runs where it is not installed."""
     return require(module, FEATURE)
+
+
+def _limits() -> llguidance.LLParserLimits:
+    """The engine's limits: its defaults, with rows for MAX_ALTERNATIVES and what surrounds them."""
+    return _engine().LLParserLimits(max_items_in_row=ROW_ITEMS)
+
+
+def _check_alternatives(gbnf: str) -> None:
+    """Refuse a GBNF rule (or group) with more alternatives than MAX_ALTERNATIVES: the engine
+    accepts it, and fails only when a row of its parser first holds them all. Rules made of
+    terminals alone are compiled into the lexer, where alternatives cost no row."""
+    converter = _engine("llguidance.gbnf_to_lark")
+    rules = converter.GrammarParser().parse(gbnf)
+    converter.resolve(rules)
+    for rule in rules.values():
+        if rule.rule_is_terminal:
+            continue
+        nodes = [rule.alternatives]
+        while nodes:
+            node = nodes.pop()
+            if isinstance(node, converter.AlternativeNode) and len(node.alternatives) > MAX_ALTERNATIVES:
+                name = "root" if rule.name == "start" else rule.name
+                raise SpecdecodeError(
+                    f"invalid grammar: rule {name!r} has {len(node.alternatives)} alternatives "
+                    f"(at most {MAX_ALTERNATIVES})"
+                )
+            nodes.extend(node.children())
 
 
 @dataclass(frozen=True)
@@ -88,7 +120,10 @@ class ConstraintSpec:
                 # schema's own "x-guidance" options say otherwise.
                 return matcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
             # GBNF's converter reports a bad grammar with any exception (a bare Exception included).
-            return matcher.grammar_from_lark(_engine("llguidance.gbnf_to_lark").any_to_lark(self.text))
+            converter = _engine("llguidance.gbnf_to_lark")
+            if not converter.is_lark_syntax(self.text):
+                _check_alternatives(self.text)
+            return matcher.grammar_from_lark(converter.any_to_lark(self.text))
         except SpecdecodeError:
             raise
         except Exception as exc:
@@ -124,7 +159,7 @@ def grammar_tokenizer(hf_tokenizer, vocab_size: int, eos_id: int | None) -> llgu
 def compile_constraint(spec: ConstraintSpec, tokenizer: llguidance.LLTokenizer) -> str:
     """The checked grammar of spec: a SpecdecodeError names what is wrong with it."""
     grammar = spec.grammar()
-    error = _engine().LLMatcher.validate_grammar(grammar, tokenizer)
+    error = _engine().LLMatcher.validate_grammar(grammar, tokenizer, limits=_limits())
     if error and not error.startswith("WARNING"):
         raise SpecdecodeError(f"invalid {spec.kind.replace('_', ' ')}: {one_line(error)}")
     return grammar
@@ -138,7 +173,7 @@ class Constraint:
 
     def __init__(self, grammar: str, tokenizer: llguidance.LLTokenizer, vocab_size: int) -> None:
         """grammar: from `compile_constraint`; vocab_size: rows of the target's logits."""
-        self._matcher = _engine().LLMatcher(tokenizer, grammar, log_level=0)
+        self._matcher = _engine().LLMatcher(tokenizer, grammar, log_level=0, limits=_limits())
         if self._matcher.is_error():
             raise SpecdecodeError(f"invalid grammar: {one_line(self._matcher.get_error())}")
         self.vocab_size = vocab_size
