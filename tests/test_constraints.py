@@ -287,6 +287,9 @@ def test_mask_rows_walk_a_tree_and_roll_back() -> None:
         ("json_schema", json.dumps({"type": "nonsense"}), "invalid json schema"),
         ("grammar", alternatives(2001), "rule 'root' has 2001 alternatives"),
         ("grammar", 'root ::= "q" (' + alternatives(2001)[9:-1] + ")", "has 2001 alternatives"),
+        ("grammar", 'root ::= root "a"', "invalid grammar: no text matches it"),
+        ("grammar", '%llguidance {}\nstart: start "a"', "invalid grammar: no text matches it"),
+        ("regex", r"[^\x00-\x{10FFFF}]", "invalid regex: no text matches it"),
     ],
 )
 def test_bad_constraints_are_refused(kind, text, message) -> None:
@@ -300,6 +303,14 @@ def test_most_alternatives_a_rule_may_have_generate() -> None:
     pipe = Pipeline(backend(target_model(TargetSpec())))
     out = pipe.generate("x", GREEDY, GenerationConfig(n_predict=8), spec)
     assert re.fullmatch(r"w[0-9]+", out.text) and out.stats.stop_reason in ("grammar", "eos")
+
+
+@pytest.mark.parametrize(("kind", "text"), [("grammar", 'root ::= ""'), ("regex", ""), ("regex", "a?")])
+def test_grammars_matching_the_empty_text_give_it(kind, text) -> None:
+    """A grammar whose only or first match is the empty text is not refused: it ends at once."""
+    pipe = Pipeline(backend(target_model(TargetSpec())))
+    out = pipe.generate("x", GREEDY, GenerationConfig(n_predict=8), ConstraintSpec(kind, text))
+    assert out.text in ("", "a") and out.stats.stop_reason in ("grammar", "eos")
 
 
 def test_unknown_kind_is_refused() -> None:

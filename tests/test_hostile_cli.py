@@ -60,6 +60,8 @@ def hostile_files(tmp_path_factory) -> dict[str, Path]:
     files["empty"].write_text("")
     files["many_alternatives"] = root / "many.gbnf"
     files["many_alternatives"].write_text("root ::= " + " | ".join(f'"w{i}"' for i in range(2001)) + "\n")
+    files["no_text"] = root / "no-text.gbnf"
+    files["no_text"].write_text('root ::= root "a"\n')
     files["far_ids"] = root / "far-ids.lcs"
     save({(5, 6): {7: 3, 100_000: 2}}, files["far_ids"])
     files["root"] = root
@@ -121,6 +123,8 @@ CASES = [
     ("lookup-create-over-its-corpus", [*LOOKUP_CREATE, "-f", "{corpus}", "-lcs", "{corpus}"], "same file"),
     ("tokenizer-on-an-empty-file", [*TRAIN_TOKENIZER, "{root}/tok", "--data", "{empty}"], "no text"),
     ("grammar-rule-past-the-row-limit", [*GENERATE, "--grammar", "{many_alternatives}"], "alternatives"),
+    ("grammar-matching-no-text", [*GENERATE, "--grammar", "{no_text}"], "no text matches"),
+    ("regex-matching-no-text", [*GENERATE, "--regex", r"[^\x00-\x{{10FFFF}}]"], "no text matches"),
     # training: refused before anything is written, into a new directory or an existing model's
     *[
         (f"train-{kind}-{name}-into-{into}", train(kind, *flags, out=out), message)

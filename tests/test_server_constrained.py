@@ -191,6 +191,7 @@ def test_json_object_and_grammar(client) -> None:
         ),
         ("/completion", {"grammar": "root ::= missing"}, "grammar"),
         ("/completion", {"grammar": "root ::= " + " | ".join(f'"w{i}"' for i in range(2001))}, "grammar"),
+        ("/completion", {"grammar": 'root ::= root "a"'}, "grammar"),
         ("/completion", {"grammar": 'root ::= "a"', "json_schema": {}}, None),
         (
             "/completion",

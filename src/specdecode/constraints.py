@@ -157,11 +157,25 @@ def grammar_tokenizer(hf_tokenizer, vocab_size: int, eos_id: int | None) -> llgu
 
 
 def compile_constraint(spec: ConstraintSpec, tokenizer: llguidance.LLTokenizer) -> str:
-    """The checked grammar of spec: a SpecdecodeError names what is wrong with it."""
+    """The checked grammar of spec: a SpecdecodeError names what is wrong with it.
+
+    Besides the engine's checks (which refuse unsatisfiable JSON schemas), the grammar must
+    allow a first token: one whose language is empty (`root ::= root "a"`, a regex of an empty
+    class) fails where its first mask is computed. One that matches the empty text allows
+    end-of-generation there, and is kept."""
+    what = f"invalid {spec.kind.replace('_', ' ')}"
     grammar = spec.grammar()
-    error = _engine().LLMatcher.validate_grammar(grammar, tokenizer, limits=_limits())
+    engine = _engine()
+    error = engine.LLMatcher.validate_grammar(grammar, tokenizer, limits=_limits())
     if error and not error.startswith("WARNING"):
-        raise SpecdecodeError(f"invalid {spec.kind.replace('_', ' ')}: {one_line(error)}")
+        raise SpecdecodeError(f"{what}: {one_line(error)}")
+    matcher = engine.LLMatcher(tokenizer, grammar, log_level=0, limits=_limits())
+    matcher.compute_bitmask()
+    if matcher.is_error():
+        error = matcher.get_error()
+        # The engine's word for a start state from which no byte, and no end, can follow.
+        empty = "NoExtensionBias" in error
+        raise SpecdecodeError(f"{what}: {'no text matches it' if empty else one_line(error)}")
     return grammar
 
 
