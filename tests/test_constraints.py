@@ -313,6 +313,17 @@ def test_grammars_matching_the_empty_text_give_it(kind, text) -> None:
     assert out.text in ("", "a") and out.stats.stop_reason in ("grammar", "eos")
 
 
+def test_a_stop_string_ending_a_finished_answer_is_the_stop_reason() -> None:
+    """The token that completes the grammar also completes a stop string: the stop string cut
+    the text, so it is the reason given."""
+    pipe = Pipeline(backend(target_model(TargetSpec())))
+    spec = ConstraintSpec("regex", "abc")
+    whole = pipe.generate("x", GREEDY, GenerationConfig(n_predict=8), spec)
+    assert whole.text == "abc" and whole.stats.stop_reason in ("grammar", "eos")
+    cut = pipe.generate("x", GREEDY, GenerationConfig(n_predict=8, stop=("c",)), spec)
+    assert cut.text == "ab" and cut.stats.stop_reason == "stop string"
+
+
 def test_unknown_kind_is_refused() -> None:
     with pytest.raises(SpecdecodeError, match="unknown constraint kind"):
         ConstraintSpec("xml", "<a/>")

@@ -172,6 +172,10 @@ def test_json_object_and_grammar(client) -> None:
     grammar = 'root ::= "answer: " ("yes" | "no") "."'
     reply = client.post("/completion", json={"prompt": "x", "grammar": grammar, "temperature": 0}).json()
     assert reply["content"] in ("answer: yes.", "answer: no.") and reply["stop_type"] == "eos"
+    body = {"prompt": "x", "grammar": grammar, "temperature": 0, "stop": ["."]}
+    reply = client.post("/completion", json=body).json()
+    assert reply["content"] in ("answer: yes", "answer: no")
+    assert reply["stop_type"] == "word" and reply["stopping_word"] == "."
 
 
 @pytest.mark.parametrize(

@@ -258,12 +258,14 @@ class Generation:
         return Chunk(kept, text, len(draft.tokens), n_accepted, draft.strategy)
 
     def _stop_reason(self, token: int) -> str:
+        """Why the text ends after token ("" where it goes on). A stop string that the token
+        completing the grammar also completes is the reason: it cut the text."""
         if token in self.target.vocab.eog_ids and (not self.config.ignore_eos or self.constraint is not None):
             return "eos"
-        if self.constraint is not None and self.constraint.stopped:
-            return "grammar"
         if self._text.stopped:
             return "stop string"
+        if self.constraint is not None and self.constraint.stopped:
+            return "grammar"
         if self._remaining() <= 0:
             return "n_predict"
         return ""
