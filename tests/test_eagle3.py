@@ -682,6 +682,16 @@ def test_me_enables_eagle3_and_output_is_plain_output(saved_pair, capsys):
     assert chained["tokens"] == expected["tokens"]
 
 
+def test_tree_topk_is_taken_with_a_head_and_refused_without(saved_pair, capsys):
+    """--draft-tree-topk, given (even at its default), needs an EAGLE-3 head to shape."""
+    target, head = saved_pair
+    argv = ["generate", "-m", str(target), "-p", "x", "-n", "2", "--temp", "0", "--draft-tree-topk", "4"]
+    assert main([*argv, "-me", str(head)]) == 0
+    capsys.readouterr()
+    assert main(argv) == 2
+    assert capsys.readouterr().err.startswith("error: --draft-tree-topk 4 shapes an EAGLE-3 head's trees")
+
+
 def test_eagle3_without_a_head_or_with_a_bad_one_is_one_error_line(saved_pair, tmp_path, capsys):
     target, _ = saved_pair
     argv = ["generate", "-m", str(target), "-p", "x", "-n", "2", "--spec-type", "eagle3"]

@@ -125,6 +125,15 @@ CASES = [
     ("grammar-rule-past-the-row-limit", [*GENERATE, "--grammar", "{many_alternatives}"], "alternatives"),
     ("grammar-matching-no-text", [*GENERATE, "--grammar", "{no_text}"], "no text matches"),
     ("regex-matching-no-text", [*GENERATE, "--regex", r"[^\x00-\x{{10FFFF}}]"], "no text matches"),
+    # flags that would change nothing
+    (
+        "n-parallel-with-n-grams-only",
+        [*GENERATE, "--spec-type", "ngram-simple", "--draft-n-parallel", "2"],
+        "--draft-n-parallel",
+    ),
+    ("n-parallel-without-strategies", [*GENERATE, "--draft-n-parallel", "3"], "--draft-n-parallel"),
+    ("tree-tokens-without-eagle3", [*WITH_DRAFT, "--draft-tree-tokens", "8"], "--draft-tree-tokens"),
+    ("tree-topk-without-eagle3", [*WITH_DRAFT, "--draft-tree-topk", "4"], "--draft-tree-topk"),
     # training: refused before anything is written, into a new directory or an existing model's
     *[
         (f"train-{kind}-{name}-into-{into}", train(kind, *flags, out=out), message)

@@ -187,8 +187,9 @@ def add_spec_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--draft-tree-topk",
         type=int,
-        default=4,
-        help="EAGLE-3 dynamic tree: nodes expanded per depth, and children of each",
+        default=argparse.SUPPRESS,  # absent when not given: giving it without a head is refused
+        help=f"EAGLE-3 dynamic tree: nodes expanded per depth, and children of each "
+        f"(default: {DraftModelConfig.tree_topk})",
     )
     group.add_argument(
         "--verify",
@@ -292,8 +293,28 @@ def draft_config(args: argparse.Namespace) -> DraftModelConfig:
         p_split=args.draft_p_split,
         n_parallel=args.draft_n_parallel,
         tree_tokens=args.draft_tree_tokens,
-        tree_topk=args.draft_tree_topk,
+        tree_topk=getattr(args, "draft_tree_topk", DraftModelConfig.tree_topk),
     )
+
+
+def check_tree_flags(args: argparse.Namespace, uses_draft: bool, uses_eagle3: bool) -> None:
+    """Refuse tree flags that would change nothing, as --spec-type forced is refused without a
+    grammar: only a draft model branches (--draft-n-parallel), only an EAGLE-3 head drafts
+    dynamic trees (--draft-tree-tokens, --draft-tree-topk when given)."""
+    if args.draft_n_parallel > 1 and not uses_draft:
+        raise SpecdecodeError(
+            f"--draft-n-parallel {args.draft_n_parallel} branches a draft model's drafts: "
+            "give a draft model (-md DIR) drafting with --spec-type draft"
+        )
+    for flag, value, given in (
+        ("--draft-tree-tokens", args.draft_tree_tokens, args.draft_tree_tokens > 0),
+        ("--draft-tree-topk", getattr(args, "draft_tree_topk", None), hasattr(args, "draft_tree_topk")),
+    ):
+        if given and not uses_eagle3:
+            raise SpecdecodeError(
+                f"{flag} {value} shapes an EAGLE-3 head's trees: give a head (-me DIR) drafting "
+                "with --spec-type eagle3"
+            )
 
 
 def load_options(args: argparse.Namespace) -> tuple[LoadOptions, LoadOptions]:
@@ -341,6 +362,7 @@ def pipeline_from_args(args: argparse.Namespace) -> Pipeline:
     args.model, args.model_draft = resolve_models(args.model, args.model_draft)
     target_options, draft_options = load_options(args)
     needs_draft = spec_types is None or "draft" in spec_types
+    check_tree_flags(args, needs_draft and args.model_draft is not None, head is not None)
     pipeline = Pipeline.load(
         args.model,
         args.model_draft if needs_draft else None,
