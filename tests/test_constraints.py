@@ -290,6 +290,9 @@ def test_mask_rows_walk_a_tree_and_roll_back() -> None:
         ("grammar", 'root ::= root "a"', "invalid grammar: no text matches it"),
         ("grammar", '%llguidance {}\nstart: start "a"', "invalid grammar: no text matches it"),
         ("regex", r"[^\x00-\x{10FFFF}]", "invalid regex: no text matches it"),
+        ("grammar", 'root ::= "x" root', "invalid grammar: no text matches it"),
+        ("grammar", 'root ::= "a" x | "b"\nx ::= x "c"', "invalid grammar: no text matches rule 'x'"),
+        ("grammar", 'root ::= "a" fooBar*\nfooBar ::= "b" fooBar', "no text matches rule 'fooBar'"),
     ],
 )
 def test_bad_constraints_are_refused(kind, text, message) -> None:
@@ -322,6 +325,13 @@ def test_a_stop_string_ending_a_finished_answer_is_the_stop_reason() -> None:
     assert whole.text == "abc" and whole.stats.stop_reason in ("grammar", "eos")
     cut = pipe.generate("x", GREEDY, GenerationConfig(n_predict=8, stop=("c",)), spec)
     assert cut.text == "ab" and cut.stats.stop_reason == "stop string"
+
+
+@pytest.mark.parametrize(
+    "text", ['root ::= "(" root ")" | "x"', 'root ::= x\nx ::= "a" x?', 'root ::= x*\nx ::= "b" x | "c"']
+)
+def test_recursive_grammars_with_a_way_out_are_kept(text) -> None:
+    constraint_for(ConstraintSpec("grammar", text))
 
 
 def test_unknown_kind_is_refused() -> None:

@@ -66,12 +66,17 @@ def _limits() -> llguidance.LLParserLimits:
     return _engine().LLParserLimits(max_items_in_row=ROW_ITEMS)
 
 
-def _check_alternatives(gbnf: str) -> None:
-    """Refuse a GBNF rule (or group) with more alternatives than MAX_ALTERNATIVES: the engine
-    accepts it, and fails only when a row of its parser first holds them all. Rules made of
-    terminals alone are compiled into the lexer, where alternatives cost no row."""
+def _check_gbnf(gbnf: str) -> None:
+    """Refuse what the engine accepts in a GBNF grammar and fails on only as it generates:
+
+    - a rule (or group) with more alternatives than MAX_ALTERNATIVES, which fails when a row
+      of its parser first holds them all (rules of terminals alone are compiled into the
+      lexer, where alternatives cost no row);
+    - a rule that matches no text (`x ::= "a" x`): from the root, it runs the parser out of
+      items; below it, it ends the output where it must go on."""
     converter = _engine("llguidance.gbnf_to_lark")
     rules = converter.GrammarParser().parse(gbnf)
+    names = {id(rule): rule.name for rule in rules.values()}  # resolve renames them
     converter.resolve(rules)
     for rule in rules.values():
         if rule.rule_is_terminal:
@@ -80,12 +85,34 @@ def _check_alternatives(gbnf: str) -> None:
         while nodes:
             node = nodes.pop()
             if isinstance(node, converter.AlternativeNode) and len(node.alternatives) > MAX_ALTERNATIVES:
-                name = "root" if rule.name == "start" else rule.name
                 raise SpecdecodeError(
-                    f"invalid grammar: rule {name!r} has {len(node.alternatives)} alternatives "
+                    f"invalid grammar: rule {names[id(rule)]!r} has {len(node.alternatives)} alternatives "
                     f"(at most {MAX_ALTERNATIVES})"
                 )
             nodes.extend(node.children())
+    matching: set[int] = set()  # ids of the rules known to match some text
+
+    def matches(node) -> bool:
+        if isinstance(node, converter.RuleRefNode):
+            return id(node.target) in matching
+        if isinstance(node, converter.RepetitionNode):
+            return node.min_times == 0 or matches(node.node)
+        if isinstance(node, converter.SequenceNode):
+            return all(matches(child) for child in node.nodes)
+        if isinstance(node, converter.AlternativeNode):
+            return any(matches(child) for child in node.alternatives)
+        return True  # a literal or a character class
+
+    while grown := [
+        rule for rule in rules.values() if id(rule) not in matching and matches(rule.alternatives)
+    ]:
+        matching.update(id(rule) for rule in grown)
+    for rule in rules.values():
+        if id(rule) not in matching:
+            name = names[id(rule)]
+            raise SpecdecodeError(
+                "invalid grammar: no text matches " + ("it" if name == "root" else f"rule {name!r}")
+            )
 
 
 @dataclass(frozen=True)
@@ -122,7 +149,7 @@ class ConstraintSpec:
             # GBNF's converter reports a bad grammar with any exception (a bare Exception included).
             converter = _engine("llguidance.gbnf_to_lark")
             if not converter.is_lark_syntax(self.text):
-                _check_alternatives(self.text)
+                _check_gbnf(self.text)
             return matcher.grammar_from_lark(converter.any_to_lark(self.text))
         except SpecdecodeError:
             raise
