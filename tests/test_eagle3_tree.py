@@ -8,23 +8,35 @@ built from such runs.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
-from conftest import VOCAB_SIZE, eagle3_corpus, eagle3_head, eagle3_target
+from conftest import (
+    VOCAB_SIZE,
+    chi_square_pvalue,
+    cpu_policy,
+    eagle3_corpus,
+    eagle3_head,
+    eagle3_target,
+    gpu_policy,
+)
 
 from specdecode import DraftModelConfig, Sampler, SamplingParams
+from specdecode.policy import PolicyModels, Stopper
 from specdecode.sampling import distribution
 from specdecode.strategies.base import Draft
 from specdecode.strategies.eagle3 import Eagle3Strategy
 from specdecode.strategies.eagle3_head import HeadCache, HeadTree
+from specdecode.verify import verify_rejection
 
 # wide sampling (no truncation): siblings are drawn from the whole draft vocabulary; the
 # penalty makes each node's distribution depend on the path above it
 WIDE = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.5)
 TIGHT = {"rtol": 0, "atol": 1e-12}
+TEMP1 = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
 
 
 def contexts(count: int = 4, length: int = 14) -> list[list[int]]:
@@ -316,3 +328,52 @@ def test_kept_siblings_leave_rejection_exact(zoo):
     expected = np.array([float(p[g].sum()) for g in groups]) * n
     observed = np.array([counts[g].sum() for g in groups])
     assert float(((observed - expected) ** 2 / expected).sum()) < 16.3  # chi-square, 3 dof, p = 0.001
+
+
+def ruled_first_tokens(
+    zoo, models: PolicyModels, n: int, reversed_siblings: bool = False
+) -> tuple[Counter, dict]:
+    """The first token of n rejection verifications of depth-1 trees whose nodes the adaptive
+    policy's rule chooses, and the target's distribution it should follow. The rule is shown
+    first that drafts of the head's second-largest probability were always kept, so that it
+    rates the second draw above the first (as acceptance counts by confidence bucket may well
+    do). reversed_siblings: verify the siblings last drawn first, each against its own row (a
+    wrong verification, for the test's power)."""
+    ids = contexts(1)[0]
+    strategy = strategy_after(zoo, ids, DraftModelConfig(n_max=1, tree_tokens=3, tree_topk=4))
+    first, second = strategy.draft(ids[:-1], ids[-1], 1).confidences[:2]  # classic: the top ranks
+    for _ in range(6):
+        models.acceptance.observe_tree("eagle3", [second], [-1], [0])
+    rule = Stopper(models, "eagle3", 1.0 / models.costs.pass_time(1))
+    assert rule.node(1.0, 1, second, 1) > rule.node(1.0, 1, first, 0)
+    strategy.sampler = Sampler(replace(TEMP1, seed=1))
+    strategy.keep_drafting = rule
+    with torch.no_grad():
+        root = eagle3_target()(input_ids=torch.tensor([ids])).logits[0, -1].double()
+    verifier = Sampler(replace(TEMP1, seed=2))
+    counts: Counter = Counter()
+    for _ in range(n):
+        draft = strategy.draft(ids[:-1], ids[-1], 1)
+        assert len(draft.tokens) == 3 and draft.parents == [-1, -1, -1]
+        if reversed_siblings:
+            draft = replace(draft, tokens=draft.tokens[::-1], probs=draft.probs.flip(0))
+        logits = root[None].expand(len(draft.tokens) + 1, -1)  # only the root's row is read
+        counts[verify_rejection(draft, logits, verifier, ids, frozenset()).emitted[0]] += 1
+    return counts, {token: float(p) for token, p in enumerate(distribution(root, TEMP1, ids))}
+
+
+@pytest.mark.parametrize("policy", [gpu_policy, cpu_policy], ids=["gpu-costs", "cpu-costs"])
+def test_adaptive_rule_leaves_rejection_exact(zoo, policy):
+    """Siblings are verified in the order they were drawn, each against the row it was drawn
+    from, whatever the rule's estimates of their ranks: 1000 verifications, chi-square at
+    alpha 0.001. (Ordered by the rule's own estimates, the second draw was tried first: p about
+    1e-30.)"""
+    counts, expected = ruled_first_tokens(zoo, policy(), 1000)
+    pvalue = chi_square_pvalue(counts, expected)
+    assert pvalue > 0.001, pvalue
+
+
+def test_adaptive_rule_rejection_test_has_power(zoo):
+    """The same fit fails when the siblings are verified in another order than they were drawn."""
+    counts, expected = ruled_first_tokens(zoo, gpu_policy(), 1000, reversed_siblings=True)
+    assert chi_square_pvalue(counts, expected) < 0.001

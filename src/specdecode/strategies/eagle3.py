@@ -23,8 +23,9 @@ they form a tree, and so does every prefix of them: `Draft.truncated` keeps the 
 is capped by n_max and the step's budget; p_min does not cut trees (the node budget does),
 and a tree shallower than n_min is dropped. Under a policy's rule (`keep_drafting`) a node's
 score is instead the chance the rule gives it of being reached and kept (from the same j-th
-largest probabilities), and a child the rule finds not worth its cost is not made at all, so
-the budget is only an upper bound. Tree nodes are scratch in the head's cache
+largest probabilities, capped at the earlier sibling's, so that siblings stay in the order
+they were drawn), and a child the rule finds not worth its cost is not made at all, so the
+budget is only an upper bound. Tree nodes are scratch in the head's cache
 (`HeadTree`), dropped after each draft. For rejection verification the children are drawn
 without replacement from the head's sampling distribution, each reporting the distribution
 it was drawn from; the j-th drawn child is scored with the head's j-th largest probability
@@ -211,13 +212,17 @@ class Eagle3Strategy:
         self, parent_score: float, depth: int, confidences: list[float], nodes: int
     ) -> list[float]:
         """The logs of the chances the policy's rule gives a node's children (best rank first),
-        for as many as it finds worth their cost; parent_score is the log of the parent's."""
+        for as many as it finds worth their cost; parent_score is the log of the parent's.
+
+        Each is capped at the one before: the rule's estimate need not fall with the rank's
+        probability, and a later draw outscoring an earlier one would be tried first, or kept
+        without it, against a row (the earlier draws removed) it was not drawn from."""
         scores: list[float] = []
         for rank, confidence in enumerate(confidences):
             reach = self.keep_drafting.node(math.exp(parent_score), depth, confidence, nodes + rank)
             if reach is None:
                 break
-            scores.append(math.log(reach))
+            scores.append(min(math.log(reach), scores[-1]) if scores else math.log(reach))
         return scores
 
     def _children(
