@@ -155,6 +155,8 @@ class ExactnessLog:
     eos_stops: int = 0
     accepting: int = 0  # cases where at least one draft token was accepted
     rejecting: int = 0  # cases where at least one draft token was rejected
+    # rejection sampling checked against the target's exact distribution: test -> draws
+    distribution: Counter[str] = field(default_factory=Counter)
 
     def record(self, test: str, kind: str, stats, stop_reason: str = "", dtype: str = "float64") -> None:
         self.cases[test] += 1
@@ -169,6 +171,11 @@ class ExactnessLog:
         self.rejecting += stats.totals.n_drafted > stats.totals.n_accepted
 
 
+    def record_distribution(self, test: str, draws: int) -> None:
+        """A chi-square fit of speculative draws to the target's exact distribution that passed."""
+        self.distribution[test] += draws
+
+
 EXACTNESS_LOG = ExactnessLog()
 
 
@@ -179,8 +186,18 @@ def exactness_log() -> ExactnessLog:
 
 def pytest_terminal_summary(terminalreporter) -> None:
     log = EXACTNESS_LOG
-    if not log.cases:
-        return
+    if log.cases:
+        _report_cases(terminalreporter, log)
+    if log.distribution:
+        terminalreporter.write_line(
+            f"{len(log.distribution)} rejection-sampling fits to the target's exact distribution "
+            f"({sum(log.distribution.values())} draws):"
+        )
+        for name, draws in sorted(log.distribution.items()):
+            terminalreporter.write_line(f"  {name}: {draws} draws")
+
+
+def _report_cases(terminalreporter, log: ExactnessLog) -> None:
     total = sum(log.cases.values())
     rate = log.accepted / log.drafted if log.drafted else 0.0
     terminalreporter.write_sep("-", "speculative exactness cases")

@@ -272,7 +272,7 @@ def sample_first_three(pipe, prompt, n_seeds: int, verify: str, **penalties) -> 
 
 
 @pytest.mark.slow
-def test_end_to_end_rejection_matches_target_distribution(e2e_models, one_thread):
+def test_end_to_end_rejection_matches_target_distribution(e2e_models, one_thread, exactness_log):
     """Pipeline with a draft model, verify="rejection", temperature 1: over 2500 seeds the
     first three generated tokens follow the target's exact joint distribution (alpha 0.001).
 
@@ -288,6 +288,7 @@ def test_end_to_end_rejection_matches_target_distribution(e2e_models, one_thread
     target_joint = exact_joint(target, tokenizer, prompt, 3, e2e_params())
     pvalue = chi_square_pvalue(counts, target_joint)
     assert pvalue > ALPHA, pvalue
+    exactness_log.record_distribution("draft-model chain, end to end", E2E_SEEDS)
 
     # speculation really happened, and the draft disagreed often enough to matter
     assert n_drafted >= E2E_SEEDS * 2
@@ -313,7 +314,9 @@ def test_end_to_end_rejection_matches_target_distribution(e2e_models, one_thread
 
 
 @pytest.mark.slow
-def test_end_to_end_rejection_with_penalties_matches_target_distribution(e2e_models, one_thread):
+def test_end_to_end_rejection_with_penalties_matches_target_distribution(
+    e2e_models, one_thread, exactness_log
+):
     """The same with a presence penalty: each token's distribution depends on every token
     before it (the prompt, the first token, accepted draft tokens), so verification must score
     each row after exactly that context. 1500 seeds, alpha 0.001."""
@@ -324,6 +327,7 @@ def test_end_to_end_rejection_with_penalties_matches_target_distribution(e2e_mod
     assert n_drafted >= 1500 * 2 and n_accepted > 0
     target_joint = exact_joint(target, tokenizer, prompt, 3, e2e_params(**penalties))
     assert chi_square_pvalue(counts, target_joint) > ALPHA
+    exactness_log.record_distribution("draft-model chain with penalties, end to end", 1500)
     # power: the joint without the penalty is rejected by the same test
     assert chi_square_pvalue(counts, exact_joint(target, tokenizer, prompt, 3, e2e_params())) < ALPHA
 
@@ -355,7 +359,9 @@ def e2e_head(e2e_models):
 
 
 @pytest.mark.slow
-def test_end_to_end_rejection_with_eagle3_matches_target_distribution(e2e_models, e2e_head, one_thread):
+def test_end_to_end_rejection_with_eagle3_matches_target_distribution(
+    e2e_models, e2e_head, one_thread, exactness_log
+):
     """The same fit with an EAGLE-3 head drafting by sampling from its own distribution (zero
     outside its draft vocabulary): 2500 seeds, alpha 0.001, and drafts both kept and rejected."""
     tokenizer, target, _ = e2e_models
@@ -368,6 +374,7 @@ def test_end_to_end_rejection_with_eagle3_matches_target_distribution(e2e_models
     counts, n_drafted, n_accepted = sample_first_three(pipe, prompt, E2E_SEEDS, "rejection")
     target_joint = exact_joint(target, tokenizer, prompt, 3, e2e_params())
     assert chi_square_pvalue(counts, target_joint) > ALPHA
+    exactness_log.record_distribution("eagle3 chain, end to end", E2E_SEEDS)
     assert n_drafted >= E2E_SEEDS * 2
     assert 0.2 < n_accepted / n_drafted < 0.95, n_accepted / n_drafted  # about 0.34
     # power: the same counts reject a 20% contamination of p by another model's joint
@@ -381,7 +388,9 @@ def test_end_to_end_rejection_with_eagle3_matches_target_distribution(e2e_models
 
 
 @pytest.mark.slow
-def test_end_to_end_rejection_with_adaptive_trees_matches_target_distribution(e2e_models, one_thread):
+def test_end_to_end_rejection_with_adaptive_trees_matches_target_distribution(
+    e2e_models, one_thread, exactness_log
+):
     """The same fit when the adaptive policy shapes the draft model's trees (at most three
     branches) node by node, learning across the seeds (with a GPU's costs, where branching
     pays): 2500 seeds, alpha 0.001. Its rule reads each candidate's rank probability, never
@@ -399,6 +408,7 @@ def test_end_to_end_rejection_with_adaptive_trees_matches_target_distribution(e2
     counts, n_drafted, n_accepted = sample_first_three(pipe, prompt, E2E_SEEDS, "rejection")
     target_joint = exact_joint(target, tokenizer, prompt, 3, e2e_params())
     assert chi_square_pvalue(counts, target_joint) > ALPHA
+    exactness_log.record_distribution("draft-model tree, adaptive (gpu costs), end to end", E2E_SEEDS)
     trees = sum(count for (strategy, _), count in models.choices.items() if strategy == "draft tree")
     assert trees > E2E_SEEDS // 10 and 0 < n_accepted < n_drafted, (trees, n_drafted, n_accepted)
     draft_joint = exact_joint(draft, tokenizer, prompt, 3, e2e_params())

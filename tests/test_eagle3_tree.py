@@ -363,7 +363,7 @@ def ruled_first_tokens(
 
 
 @pytest.mark.parametrize("policy", [gpu_policy, cpu_policy], ids=["gpu-costs", "cpu-costs"])
-def test_adaptive_rule_leaves_rejection_exact(zoo, policy):
+def test_adaptive_rule_leaves_rejection_exact(zoo, policy, exactness_log):
     """Siblings are verified in the order they were drawn, each against the row it was drawn
     from, whatever the rule's estimates of their ranks: 1000 verifications, chi-square at
     alpha 0.001. (Ordered by the rule's own estimates, the second draw was tried first: p about
@@ -371,6 +371,7 @@ def test_adaptive_rule_leaves_rejection_exact(zoo, policy):
     counts, expected = ruled_first_tokens(zoo, policy(), 1000)
     pvalue = chi_square_pvalue(counts, expected)
     assert pvalue > 0.001, pvalue
+    exactness_log.record_distribution(f"eagle3 tree, adaptive ({policy.__name__})", sum(counts.values()))
 
 
 def test_adaptive_rule_rejection_test_has_power(zoo):
