@@ -40,7 +40,7 @@ For bit-identity everywhere (trees included) on any device, `passes="invariant"`
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -68,7 +68,7 @@ class GraphRows:
 
     table: list[list[int]]  # [token, position, slot, lo, hi, *ancestor slots] per row
     recorder: HiddenRows | None
-    done: object  # Callable[[], None]
+    done: Callable[[], None]
 
     def __len__(self) -> int:
         return len(self.table)
@@ -408,7 +408,7 @@ class GraphBackend(NativeBackend):
                 part.recorder.extend(
                     torch.cat([by_layer[layer][start:end] for layer in part.recorder.layer_ids], dim=-1)
                 )
-            part.done()  # type: ignore[operator]
+            part.done()
             start = end
         return logits
 
