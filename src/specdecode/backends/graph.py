@@ -48,7 +48,14 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from specdecode.backends.hidden import HiddenRows
-from specdecode.backends.native import NativeBackend, NativeWeights, _rms_norm, _rotate
+from specdecode.backends.native import (
+    NativeBackend,
+    NativeWeights,
+    _rms_norm,
+    _rotate,
+    finish_parts,
+    recorded_layers,
+)
 
 FIRST_SLOTS = 2048  # a seat's first size: most requests never grow it (each growth recaptures)
 FIXED_ROWS = 32  # rows of every pass in fixed mode: a default verify pass (17) and a batch of 32
@@ -393,23 +400,10 @@ class GraphBackend(NativeBackend):
 
     def _run(self, parts: Sequence[GraphRows], keep: int | torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         table = [row for part in parts for row in part.table]
-        layers = tuple(
-            sorted(
-                {layer for part in parts if part.recorder is not None for layer in part.recorder.layer_ids}
-            )
-        )
+        layers = tuple(recorded_layers(parts))
         chosen = torch.arange(len(table) - keep, len(table)) if isinstance(keep, int) else keep
         logits, captured = self.passes.run(table, chosen.to(self.device), layers)
-        by_layer = dict(zip(layers, captured, strict=True))
-        start = 0
-        for part in parts:
-            end = start + len(part)
-            if part.recorder is not None and part.recorder.layer_ids:
-                part.recorder.extend(
-                    torch.cat([by_layer[layer][start:end] for layer in part.recorder.layer_ids], dim=-1)
-                )
-            part.done()
-            start = end
+        finish_parts(parts, dict(zip(layers, captured, strict=True)))
         return logits
 
     @torch.inference_mode()

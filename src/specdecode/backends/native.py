@@ -25,8 +25,9 @@ longer one split), or, failing all, one row at a time.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -343,6 +344,38 @@ class Rows:
     recorder: HiddenRows | None
     done: Callable[[], None]
 
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+class PassPart(Protocol):
+    """One sequence's rows in a pass, as any native forward lays them out (`Rows`, or the
+    graph passes' rows): how many, where their hidden-state rows go, what follows the pass."""
+
+    recorder: HiddenRows | None
+    done: Callable[[], None]
+
+    def __len__(self) -> int: ...
+
+
+def recorded_layers(parts: Sequence[PassPart]) -> list[int]:
+    """The layers whose residual stream some part of the pass records."""
+    return sorted({layer for part in parts if part.recorder is not None for layer in part.recorder.layer_ids})
+
+
+def finish_parts(parts: Sequence[PassPart], captured: Mapping[int, torch.Tensor]) -> None:
+    """After a pass: each part's hidden-state rows (captured: layer -> rows of the whole pass,
+    parts in order) are recorded, then its cache updated."""
+    start = 0
+    for part in parts:
+        end = start + len(part)
+        if part.recorder is not None and part.recorder.layer_ids:
+            part.recorder.extend(
+                torch.cat([captured[layer][start:end] for layer in part.recorder.layer_ids], dim=-1)
+            )
+        part.done()
+        start = end
+
 
 class NativeBackend(HFBackend):
     """HFBackend's interface and loading, with the native forward (see the module docstring).
@@ -480,20 +513,9 @@ class NativeBackend(HFBackend):
             cos = torch.cat([part.cos for part in parts])
             sin = torch.cat([part.sin for part in parts])
             attend = _attend_by_part(parts)
-        layers = sorted(
-            {layer for part in parts if part.recorder is not None for layer in part.recorder.layer_ids}
-        )
         tokens = torch.tensor(ids, dtype=torch.long, device=self.device)
-        logits, captured = self._pass(tokens, cos, sin, keep, attend, layers)
-        start = 0
-        for part in parts:
-            end = start + len(part.ids)
-            if part.recorder is not None and part.recorder.layer_ids:
-                part.recorder.extend(
-                    torch.cat([captured[layer][start:end] for layer in part.recorder.layer_ids], dim=-1)
-                )
-            part.done()
-            start = end
+        logits, captured = self._pass(tokens, cos, sin, keep, attend, recorded_layers(parts))
+        finish_parts(parts, captured)
         return logits
 
     @torch.inference_mode()
