@@ -37,7 +37,7 @@ def test_quick_run_writes_json_markdown_and_plots_with_every_system(pair, tmp_pa
     out = tmp_path / "results"
     argv = ["bench", "--quick", "-m", str(target), "-md", str(draft), "-n", "12", "--out", str(out)]
     assert main(argv) == 0
-    printed = capsys.readouterr().out
+    printed, progress = capsys.readouterr()
     results = json.loads((out / "results.json").read_text())
     expected = system_names(has_draft=True, include_hf=True)
     assert results["systems"] == expected
@@ -55,6 +55,12 @@ def test_quick_run_writes_json_markdown_and_plots_with_every_system(pair, tmp_pa
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "task: editing" in printed and "hf-assisted" in printed
     assert "| system |" in (out / "results.md").read_text()
+    # stderr is no terminal here: one line per run (warm-up and measured, sweep included), no bar
+    runs = [line for line in progress.splitlines() if line.startswith("bench: [")]
+    total = len(TASK_NAMES) * 2 * len(expected) + 2 * 3  # the sweep: plain and draft-max 2, 8
+    assert len(runs) == total and runs[-1].startswith(f"bench: [{total}/{total}] task completion 1/1")
+    assert runs[0].endswith("tok/s") and "system plain (warm-up)" in runs[0]
+    assert "machine" in results and results["machine"]["cpu"] and results["date"]
 
 
 def test_hugging_face_greedy_generate_equals_our_plain_output(pair, tmp_path):

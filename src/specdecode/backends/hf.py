@@ -24,16 +24,11 @@ from transformers import (
 from specdecode.backends import VocabInfo, check_cache_room
 from specdecode.backends.hidden import HiddenRecorder, HiddenRows, recording
 from specdecode.backends.tree import PendingTree, check_tree_room
+from specdecode.config import DTYPE_NAMES, PASSES
 from specdecode.errors import SpecdecodeError
 
-DTYPES = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float64": torch.float64,
-}
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
-PASSES = ("auto", "invariant", "fixed", "bucketed")
 
 
 @dataclass(frozen=True)
@@ -96,6 +91,7 @@ class HFBackend:
         self._texts: list[str] | None = None
         self._tokens: list[int] = []
         self._cache = DynamicCache(config=model.config)
+        self._cache_keyword = cache_keyword(model)
         self._recorder: HiddenRows | None = None  # set by capture_hidden
         self._tree = PendingTree()  # nodes scored by evaluate_tree, not yet committed
         self._tree_rows: HiddenRows | None = None  # their hidden-state rows, when recording
@@ -247,15 +243,7 @@ class HFBackend:
         mask = mask.masked_fill(~visible, torch.finfo(dtype).min)[None, None]  # [1, 1, N, prefix + P]
         input_ids = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
         with recording(self._tree_rows):  # type: ignore[arg-type]
-            out = self.model(
-                input_ids=input_ids,
-                position_ids=positions,
-                attention_mask=mask,
-                past_key_values=self._cache,
-                use_cache=True,
-            )
-        self._cache = out.past_key_values
-        logits = out.logits[0]
+            logits = self._run_cached(input_ids=input_ids, position_ids=positions, attention_mask=mask)[0]
         return logits if logits.dtype == torch.float64 else logits.float().cpu()
 
     @torch.inference_mode()
@@ -320,17 +308,28 @@ class HFBackend:
     def _forward(self, chunk: Sequence[int], keep: int) -> torch.Tensor:
         input_ids = torch.tensor([list(chunk)], dtype=torch.long, device=self.device)  # [1, T]
         with recording(self._recorder):
-            out = self.model(
-                input_ids=input_ids, past_key_values=self._cache, use_cache=True, logits_to_keep=keep
-            )
-        self._cache = out.past_key_values
+            logits = self._run_cached(input_ids=input_ids, logits_to_keep=keep)
         self._tokens.extend(chunk)
+        return logits
+
+    def _run_cached(self, **inputs) -> torch.Tensor:
+        """One forward of the model over the KV cache, which it extends; its logits."""
+        out = self.model(**inputs, **{self._cache_keyword: self._cache}, use_cache=True)
+        self._cache = out[self._cache_keyword]
         return out.logits
 
     def _use_threads(self) -> None:
         # torch's thread count is global: set it per call so target and draft each get theirs.
         if self.threads and torch.get_num_threads() != self.threads:
             torch.set_num_threads(self.threads)
+
+
+def cache_keyword(model: torch.nn.Module) -> str:
+    """The name `model`'s forward takes its KV cache by, and returns it under. transformers 5.24
+    renamed `past_key_values` to `cache` (the old name warns, and goes in 5.40); earlier 5.x
+    releases know only the old name, and a forward that takes **kwargs would ignore the new one,
+    running without its cache. Read from the forward's signature, once per model."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def check_model_directory(directory: Path) -> Path:
@@ -387,9 +386,10 @@ def check_loaded_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBas
         )
     first = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else 0
     ids = torch.tensor([[first]], device=next(model.parameters()).device)
+    keyword = cache_keyword(model)
     try:
-        cache = model(input_ids=ids, past_key_values=DynamicCache(config=model.config), use_cache=True)
-        cache = cache.past_key_values
+        out = model(input_ids=ids, **{keyword: DynamicCache(config=model.config)}, use_cache=True)
+        cache = out.get(keyword)
     except Exception as exc:  # a model that cannot even run one token with a cache
         raise SpecdecodeError(f"{directory}: the model cannot run with a KV cache ({exc})") from None
     if not isinstance(cache, Cache) or cache.get_seq_length() != 1:

@@ -98,6 +98,14 @@ def markdown(rows: Sequence[dict], header: str) -> str:
     return "\n".join(lines)
 
 
+def plot_title(header: str, results: dict) -> str:
+    """The plots' subtitle: what ran, on which machine, and when, so that a plot read apart from
+    its run still says where its numbers come from."""
+    machine = results["machine"]
+    where = machine.get("gpu") or f"{machine['cpu']}, {machine['threads']} threads"
+    return f"{header}\n{where}, {results['date']}"
+
+
 def sweep_lines(sweep: Sequence[dict]) -> list[str]:
     """The draft-max sweep: one line per value."""
     return [

@@ -52,9 +52,9 @@ def run_suite(
     n_predict: int,
     runs: int,
     warmup: int,
-    advance: Callable[[str], None] = lambda label: None,
+    advance: Callable[[str, Run], None] = lambda label, run: None,
 ) -> list[Measurement]:
-    """Every system on every prompt of every task; `advance(label)` after each run (progress)."""
+    """Every system on every prompt of every task; `advance(label, run)` after each run (progress)."""
     measurements = []
     for task in tasks:
         for index, prompt in enumerate(task.prompts):
@@ -63,7 +63,8 @@ def run_suite(
                 for system in order:
                     run = system.run(ids, n_predict, sampling)
                     _check_length(run, n_predict, system.name, task.name, index)
-                    advance(f"{task.name} {index + 1}/{len(task.prompts)} {system.name}")
+                    label = f"task {task.name} {index + 1}/{len(task.prompts)}, system {system.name}"
+                    advance(label if measured else f"{label} (warm-up)", run)
                     if measured:
                         measurements.append(
                             Measurement(

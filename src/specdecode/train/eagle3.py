@@ -29,7 +29,7 @@ a resumed run does not generate them again.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -39,45 +39,19 @@ from torch import nn
 from tqdm import tqdm
 from transformers import PreTrainedTokenizerBase
 
-from specdecode.backends.hf import HFBackend, LoadOptions
+from specdecode.backends.hf import HFBackend, LoadOptions, cache_keyword
 from specdecode.errors import SpecdecodeError
 from specdecode.strategies.eagle3_checkpoint import check_fits, load_head, save_head
 from specdecode.strategies.eagle3_head import Eagle3Config, Eagle3Head, read_target, unrolled_states
 from specdecode.strategies.eagle3_layouts import default_layer_ids
 from specdecode.train import distributed, lm
 from specdecode.train.calibrate_eagle3 import calibrate_head
-from specdecode.train.lm import LossFn, TrainConfig
+from specdecode.train.config import NEW_TOKENS, PREFIX_TOKENS, HeadShape, TrainConfig
+from specdecode.train.lm import LossFn
 
 STEP_WEIGHT = 0.8  # weight of unroll step j: STEP_WEIGHT ** j
 GENERATED_FILE = "tokens-generated.npy"
-PREFIX_TOKENS = 64  # corpus tokens before each generated continuation
-NEW_TOKENS = 192  # the target's greedy tokens after each prefix
 GENERATION_BATCH = 32  # sequences generated together
-
-
-@dataclass(frozen=True)
-class HeadShape:
-    """The head's sizes; its hidden size is the target's (shared embeddings)."""
-
-    heads: int = 8
-    kv_heads: int = 2
-    intermediate: int = 512
-    draft_vocab: int = 1024
-    unroll: int = 5
-    layer_ids: tuple[int, ...] | None = None  # None: [2, L // 2, L - 3]
-
-    def __post_init__(self) -> None:
-        if min(self.heads, self.kv_heads, self.intermediate, self.draft_vocab, self.unroll) < 1:
-            raise SpecdecodeError(f"head sizes and unroll must be >= 1: {self}")
-        if self.layer_ids and self.layer_ids[0] == 1:
-            # SGLang and `load_head` read a first id of 1 as SpecForge's "output of layer 0"
-            raise SpecdecodeError(
-                "layer ids starting with 1 are ambiguous: engines read them as SpecForge's "
-                "'output of layer' ids and shift them by one; start with 0 or 2"
-            )
-
-
-EAGLE3_SHAPE = HeadShape()
 
 
 def draft_vocabulary(tokens: np.ndarray, vocab_size: int, size: int) -> torch.Tensor:
@@ -152,10 +126,11 @@ def greedy_continuations(target: nn.Module, prefixes: torch.Tensor, new_tokens: 
     """prefixes [B, P] followed by the target's `new_tokens` greedy tokens: [B, P + new_tokens].
     One pass per token over the target's KV cache; no stop at EOS (the target goes on to what
     it would write after it)."""
+    keyword = cache_keyword(target)
     out = target(input_ids=prefixes, use_cache=True)
     new = [out.logits[:, -1:].argmax(-1)]  # [B, 1] each
     while len(new) < new_tokens:
-        out = target(input_ids=new[-1], past_key_values=out.past_key_values, use_cache=True)
+        out = target(input_ids=new[-1], **{keyword: out[keyword]}, use_cache=True)
         new.append(out.logits[:, -1:].argmax(-1))
     return torch.cat([prefixes, *new], dim=1)
 
