@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -129,10 +130,9 @@ def test_bad_input_exits_2_with_one_clear_line(pair, tmp_path, capsys, args, mes
     paths = {"target": target, "draft": draft, "other": other, "missing": tmp_path / "nowhere"}
     argv = ["generate", *(a.format(**paths) for a in args)]
     assert main(argv) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: ")
-    assert message in err
-    assert "Traceback" not in err
+    *phases, error = capsys.readouterr().err.splitlines()
+    assert error.startswith("error: ") and message in error
+    assert all(line.startswith("specdecode: ") for line in phases)  # start-up phases, if any ran
 
 
 def test_translation_through_text_works_for_a_different_tokenizer(pair, capsys):
@@ -197,3 +197,16 @@ def test_missing_bundled_pair_says_how_to_get_one(tmp_path, monkeypatch, capsys)
     assert main(["generate", "-p", "x"]) == 2
     err = capsys.readouterr().err
     assert "no default model pair" in err and "specdecode train" in err
+
+
+def test_start_up_phases_are_said_on_stderr(pair, capsys):
+    target, draft, _ = pair
+    argv = ["generate", "-m", str(target), "-md", str(draft), "-p", "x = 1", "-n", "4", "--temp", "0"]
+    assert main(argv) == 0
+    phases = [line for line in capsys.readouterr().err.splitlines() if line.startswith("specdecode: ")]
+    assert phases[:-1] == [
+        f"specdecode: loading the target model from {target}",
+        f"specdecode: loading the draft model from {draft}",
+        "specdecode: timing the target's passes for the adaptive policy",
+    ]
+    assert re.fullmatch(r"specdecode: ready in \d+\.\d s", phases[-1])

@@ -340,7 +340,8 @@ def test_unknown_kind_is_refused() -> None:
 
 
 def test_cli_constrained_generation(tmp_path, saved_model_dir, capsys) -> None:
-    """--json-schema, --grammar and --regex through the command line; bad ones exit 2."""
+    """--json-schema and --grammar inline or from files (-jf, --grammar-file), and --regex,
+    through the command line; bad ones exit 2 before any model loads."""
     from specdecode.cli import main
 
     schema = tmp_path / "schema.json"
@@ -349,8 +350,10 @@ def test_cli_constrained_generation(tmp_path, saved_model_dir, capsys) -> None:
     grammar.write_text(CONSTRAINTS["gbnf-list"].text)
     base = ["generate", "-m", str(saved_model_dir), "-p", "x", "-n", "60", "--temp", "0", "--json"]
     for flags, name in (
-        (["--json-schema", str(schema)], "call"),
-        (["--grammar", str(grammar)], "gbnf-list"),
+        (["-jf", str(schema)], "call"),
+        (["--json-schema", json.dumps(CALL)], "call"),
+        (["--grammar-file", str(grammar)], "gbnf-list"),
+        (["--grammar", CONSTRAINTS["gbnf-list"].text], "gbnf-list"),
         (["--regex", FULL_MATCH["regex-words"]], "regex-words"),
     ):
         assert main([*base, *flags, "--spec-type", "forced"]) == 0
@@ -358,14 +361,20 @@ def test_cli_constrained_generation(tmp_path, saved_model_dir, capsys) -> None:
         check_output(name, out["text"], out["stats"]["stop_reason"])
     bad = tmp_path / "bad.gbnf"
     bad.write_text("root ::= foo\n")
-    for flags in (
-        ["--grammar", str(bad)],
-        ["--regex", "[a-"],
-        ["--json-schema", str(tmp_path / "none.json")],
+    for flags, message in (
+        (["--grammar-file", str(bad)], "foo"),
+        (["--grammar", "root ::= foo"], "foo"),
+        (["--regex", "[a-"], "invalid regex"),
+        (["-jf", str(tmp_path / "none.json")], "cannot read the JSON schema file"),
+        (["-j", "{not json"], "invalid json schema"),
+        # a file given to the inline flags, as llama.cpp's --grammar and --json-schema once took
+        (["--grammar", str(grammar)], f"--grammar-file {grammar}"),
+        (["--json-schema", str(schema)], f"--json-schema-file {schema}"),
     ):
         assert main([*base, *flags]) == 2
-        err = capsys.readouterr().err
-        assert err.startswith("error: ") and err.count("\n") == 1
+        *phases, error = capsys.readouterr().err.splitlines()
+        assert error.startswith("error: ") and message in error, error
+        assert all(line.startswith("specdecode: ") for line in phases)  # a regex is checked in full later
     assert main([*base, "--spec-type", "forced"]) == 2
     assert "drafts what a grammar forces" in capsys.readouterr().err
 

@@ -18,7 +18,8 @@ from specdecode.errors import SpecdecodeError
 from specdecode.strategies import DraftModelConfig
 from specdecode.testing import make_llama, sample_text
 from specdecode.train.corpus import encode_files, split_files
-from specdecode.train.evaluate import acceptance, add_eval_parser, heldout_prompts, perplexity
+from specdecode.train.evaluate import acceptance, heldout_prompts, perplexity
+from specdecode.train.flags import add_eval_parser
 
 PROMPTS = ["def wrap(text, width=70):\n", "class TextWrapper:\n    def __init__(self):\n"]
 

@@ -122,8 +122,9 @@ CASES = [
     ("encoder-as-draft-with-spec-type", [*GENERATE, "-md", "{bert}", "--spec-type", "draft"], "cache"),
     ("lookup-create-over-its-corpus", [*LOOKUP_CREATE, "-f", "{corpus}", "-lcs", "{corpus}"], "same file"),
     ("tokenizer-on-an-empty-file", [*TRAIN_TOKENIZER, "{root}/tok", "--data", "{empty}"], "no text"),
-    ("grammar-rule-past-the-row-limit", [*GENERATE, "--grammar", "{many_alternatives}"], "alternatives"),
-    ("grammar-matching-no-text", [*GENERATE, "--grammar", "{no_text}"], "no text matches"),
+    ("grammar-rule-past-the-row-limit", [*GENERATE, "--grammar-file", "{many_alternatives}"], "alternatives"),
+    ("grammar-matching-no-text", [*GENERATE, "--grammar-file", "{no_text}"], "no text matches"),
+    ("grammar-file-given-inline", [*GENERATE, "--grammar", "{no_text}"], "--grammar-file"),
     ("regex-matching-no-text", [*GENERATE, "--regex", r"[^\x00-\x{{10FFFF}}]"], "no text matches"),
     # flags that would change nothing
     (

@@ -1,5 +1,5 @@
 """The lookup tools: create, merge, stats (llama-lookup-stats' simulated verifier) and their
-argparse handlers (`specdecode lookup ...`, registered by add_lookup_parser).
+argparse handlers (`specdecode lookup ...`, registered by specdecode.cli.add_lookup_parser).
 
 Expected counters are derived by hand from the rules in the reference (§5.4); ties between
 draft candidates never occur in these token lists.
@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from specdecode.cli import add_lookup_parser
 from specdecode.errors import SpecdecodeError
 from specdecode.lookup import (
     LookupStats,
-    add_lookup_parser,
     create,
     format_stats,
     merge_files,

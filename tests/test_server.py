@@ -779,7 +779,9 @@ def test_serve_command_refuses_an_empty_api_key(saved_pair, capsys, monkeypatch,
     else:
         monkeypatch.setenv("SPECDECODE_API_KEY", "")
     assert main(args) == 2
-    assert capsys.readouterr().err.startswith("error: the API key is empty")
+    *phases, error = capsys.readouterr().err.splitlines()
+    assert error.startswith("error: the API key is empty")
+    assert all(line.startswith("specdecode: ") for line in phases)  # the start-up phases before it
 
 
 def test_serve_command_refuses_a_port_in_use(saved_pair, capsys):

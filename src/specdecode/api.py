@@ -1,40 +1,88 @@
-"""The Python API: load a target (and a draft) once, generate many times.
+"""The Python API: load a target (and what drafts for it) once, generate many times.
 
-from specdecode import Pipeline, SamplingParams, GenerationConfig
-pipe = Pipeline.load("path/to/target", draft="path/to/draft")  # or eagle3="path/to/head"
-result = pipe.generate("def fib(n):", SamplingParams(temperature=0), GenerationConfig(n_predict=64))
-print(result.text, result.stats.tokens_per_pass)
-for chunk in (run := pipe.stream("def fib(n):")):
-    print(chunk.text, end="")
-print(run.stats.format())
+    from specdecode import Pipeline
+    pipe = Pipeline.load()  # the bundled pair; or Pipeline.load("path/to/target", draft="path/to/draft")
+    result = pipe.generate("def fib(n):", max_new_tokens=64)  # greedy unless temperature > 0
+    print(result.text, result.stats.tokens_per_pass)
+    for result in pipe.generate(["def fib(n):", "class Stack:"], max_new_tokens=32):  # one batch
+        print(result.text)
+    for chunk in (run := pipe.stream("def fib(n):", temperature=0.7, seed=3)):
+        print(chunk.text, end="")
+    print(run.stats.format())
+
+A model may also be a transformers model already in memory (`Pipeline.load(model,
+tokenizer=tokenizer, draft=draft_model)`), the drafting an EAGLE-3 head (`eagle3="path/to/head"`)
+or a strategy chosen in vLLM's terms (`speculative_config={"method": "ngram", ...}`). Settings go
+as keywords in Hugging Face's, vLLM's or llama.cpp's spellings, or as `SamplingParams` and
+`GenerationConfig` objects.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+import difflib
+import numbers
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypedDict, Unpack, overload
 
 from specdecode.backends import Backend
 from specdecode.backends.gather import DraftPasses, GatheredBackend, GatheredHead
 from specdecode.backends.hf import LoadOptions
-from specdecode.backends.load import load_backend
+from specdecode.backends.load import backend_from_model, check_not_hub_id, load_backend
 from specdecode.chain import Chain
+from specdecode.config import PRIORITY, SPEC_TYPE_ALIASES, DraftModelConfig, NgramMapConfig, NgramSettings
 from specdecode.constraints import Constraint, ConstraintSpec
+from specdecode.defaults import bundled_eagle3, bundled_pair
 from specdecode.errors import SpecdecodeError
 from specdecode.generate import Generation, GenerationConfig, check_room
 from specdecode.policy import AdaptivePolicy, PolicyModels, check_policy
 from specdecode.sampling import Sampler, SamplingParams
 from specdecode.scheduler import BatchEngine, Entry, LoadRule
 from specdecode.stats import GenerationStats
-from specdecode.strategies import DraftModelConfig, NgramSettings, SharedState, SpecSetup, build_strategies
+from specdecode.strategies import SharedState, SpecSetup, build_strategies
 from specdecode.strategies.eagle3_checkpoint import load_head
 from specdecode.strategies.eagle3_head import Eagle3Head
 from specdecode.vocab import VocabTranslator, vocab_difference
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+Prompt = str | Sequence[int]  # text, or token ids
+Progress = Callable[[str], None]
+
+
+class GenerateKeywords(TypedDict, total=False):
+    """Settings `generate`, `stream` and `generate_batch` take as keywords instead of objects.
+
+    The most tokens to generate, in three spellings: max_new_tokens (Hugging Face's), max_tokens
+    (vLLM's) or n_predict (llama.cpp's). do_sample (Hugging Face's): False decodes greedily
+    whatever the temperature, True samples (at temperature 1 unless one is given). The others
+    are `SamplingParams`' and `GenerationConfig`'s fields of the same names."""
+
+    max_new_tokens: int
+    max_tokens: int
+    n_predict: int
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    seed: int
+    do_sample: bool
+    stop: str | Sequence[str]
+    ignore_eos: bool
+
+
+SAMPLING_KEYWORDS = ("temperature", "top_k", "top_p", "min_p", "seed", "do_sample")
+LENGTH_KEYWORDS = ("max_new_tokens", "max_tokens", "n_predict")
+CONFIG_KEYWORDS = (*LENGTH_KEYWORDS, "stop", "ignore_eos")
+
 
 @dataclass
 class Result:
+    """One finished generation: its text, its token ids and how it went (`stats.format()`)."""
+
     text: str
     tokens: list[int]
     stats: GenerationStats
@@ -56,9 +104,10 @@ class Pipeline:
         eagle3: Eagle3Head | None = None,
         spec_policy: str = "classic",
         policy_models: PolicyModels | None = None,
+        progress: Progress | None = None,
     ) -> None:
         """spec_types: enabled strategy names (None: "draft" when a draft is given and "eagle3"
-        when a head is, else none).
+        when a head is, else none); llama.cpp's "draft-simple" and "draft-eagle3" name the last two.
         ngram: settings of the model-free strategies; their shared state (the ngram-mod pool,
         the ngram-cache files) lives as long as the pipeline.
         replacements: (target text, draft text) pairs; given (even empty), a draft whose
@@ -68,27 +117,31 @@ class Pipeline:
         spec_policy: "classic" (llama.cpp's fixed chain and p_min) or "adaptive" (each step
         drafts what maximises expected tokens per second, see `specdecode.policy`).
         policy_models: what the adaptive policy has learned, to share (None: new models whose
-        pass costs are timed on the target now)."""
+        pass costs are timed on the target now).
+        progress: told when the target's passes are being timed (a start-up phase that takes a
+        while); forks are silent."""
         self.target = target
         self.draft = draft
         self.eagle3 = eagle3
         if spec_types is None:
             spec_types = (["draft"] if draft else []) + (["eagle3"] if eagle3 is not None else [])
-        self.spec_types = list(spec_types)
+        self.spec_types = strategy_names(spec_types)
         self.draft_config = draft_config
         self.ngram = ngram
         self.replacements = replacements
         self.translator = self._translator(replacements)
         if "draft" in self.spec_types and draft is None:
-            raise SpecdecodeError("--spec-type draft needs a draft model (-md DIR)")
+            raise SpecdecodeError("--spec-type draft-simple needs a draft model (-md DIR)")
         if "eagle3" in self.spec_types and eagle3 is None:
-            raise SpecdecodeError("--spec-type eagle3 needs an EAGLE-3 head (-me DIR)")
+            raise SpecdecodeError("--spec-type draft-eagle3 needs an EAGLE-3 head (-me DIR)")
         self.shared = shared if shared is not None else SharedState(ngram, self.spec_types, target.vocab.size)
         self.spec_policy = check_policy(spec_policy)
         self.policy_models = None
         self._load_rule: LoadRule | None = None
         self._batch: tuple[DraftPasses | None, list[Pipeline]] | None = None  # see _seats
         if spec_policy == "adaptive" and self.spec_types:
+            if policy_models is None and progress is not None:
+                progress("timing the target's passes for the adaptive policy")
             self.policy_models = (
                 policy_models if policy_models is not None else PolicyModels.for_target(target)
             )
@@ -96,19 +149,65 @@ class Pipeline:
     @classmethod
     def load(
         cls,
-        model: str | Path,
-        draft: str | Path | None = None,
+        model: str | os.PathLike | PreTrainedModel | None = None,
+        draft: str | os.PathLike | PreTrainedModel | None = None,
         *,
-        eagle3: str | Path | None = None,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+        draft_tokenizer: PreTrainedTokenizerBase | None = None,
+        eagle3: str | os.PathLike | None = None,
         eagle3_layer_offset: int | None = None,
+        speculative_config: Mapping[str, Any] | None = None,
         target_options: LoadOptions = LoadOptions(),
         draft_options: LoadOptions = LoadOptions(),
-        **kwargs,
+        progress: Progress | None = None,
+        **settings: Any,
     ) -> Pipeline:
-        target = load_backend(model, target_options)
-        draft_backend = load_backend(draft, draft_options) if draft is not None else None
-        head = load_head(eagle3, target, eagle3_layer_offset) if eagle3 is not None else None
-        return cls(target, draft_backend, eagle3=head, **kwargs)
+        """Load a target and what drafts for it. Without a draft, a head, spec_types or a
+        speculative_config the pipeline generates plainly.
+
+        model: a local Hugging Face directory, a GGUF file, or a transformers model already in
+        memory with its `tokenizer` (used where it is, see `backend_from_model`). None: the
+        bundled target, with the bundled draft unless the strategies asked for need none.
+        draft: a draft model of the same kinds; one in memory uses `draft_tokenizer`, by default
+        the target's tokenizer.
+        eagle3: the directory of an EAGLE-3 head trained for this target.
+        speculative_config: the strategy in vLLM's terms instead of draft/eagle3/spec_types
+        (see `SpeculativeChoice`).
+        progress: called with a line as each start-up phase begins (loading each model, timing
+        the target for the adaptive policy), for a command to show.
+        settings: the pipeline's own (spec_types, draft_config, ngram, spec_policy, ...)."""
+        say = progress or _silent
+        choice = None
+        if speculative_config is not None:
+            if draft is not None or eagle3 is not None or settings.get("spec_types") is not None:
+                raise SpecdecodeError(
+                    "speculative_config chooses the strategy and its model: give it without draft=, "
+                    "eagle3= or spec_types="
+                )
+            choice = SpeculativeChoice.read(
+                speculative_config,
+                settings.get("draft_config", DraftModelConfig()),
+                settings.get("ngram", NgramSettings()),
+            )
+            settings.update(spec_types=[choice.spec_type], draft_config=choice.draft, ngram=choice.ngram)
+            draft = choice.model if choice.spec_type == "draft" else None
+            eagle3 = choice.model if choice.spec_type == "eagle3" else None
+        if model is None:
+            model, draft, eagle3 = _with_bundled(draft, eagle3, settings.get("spec_types"))
+        if choice is not None:
+            choice.check_model(draft if choice.spec_type == "draft" else eagle3)
+        target = _load_model(model, tokenizer, target_options, "target", say)
+        draft_backend = None
+        if draft is not None:
+            if draft_tokenizer is None and not _is_path(draft):
+                draft_tokenizer = getattr(target, "tokenizer", None)
+            draft_backend = _load_model(draft, draft_tokenizer, draft_options, "draft", say)
+        head = None
+        if eagle3 is not None:
+            check_not_hub_id(eagle3)  # heads are published on the Hub too
+            say(f"loading the EAGLE-3 head from {eagle3}")
+            head = load_head(eagle3, target, eagle3_layer_offset)
+        return cls(target, draft_backend, eagle3=head, progress=progress, **settings)
 
     def fork(self, draft_passes: DraftPasses | None = None) -> Pipeline:
         """A pipeline over the same weights with its own KV caches and per-generation state,
@@ -140,17 +239,25 @@ class Pipeline:
 
     def stream(
         self,
-        prompt: str | Sequence[int],
-        sampling: SamplingParams = SamplingParams(),
-        config: GenerationConfig = GenerationConfig(),
+        prompt: Prompt,
+        sampling: SamplingParams | None = None,
+        config: GenerationConfig | None = None,
         draft_config: DraftModelConfig | None = None,
         constraint: ConstraintSpec | None = None,
+        **keywords: Unpack[GenerateKeywords],
     ) -> Generation:
         """A generation to iterate for chunks; its tokens, text and stats are complete after.
 
+        sampling, config: as objects, or as keywords (`GenerateKeywords`), not both; neither:
+        greedy, 128 tokens at most.
         draft_config: drafting settings for this generation only (None: the pipeline's own).
         constraint: a grammar, JSON schema or regex the output must match (see
         `specdecode.constraints`); a SpecdecodeError if it is not a valid one."""
+        if is_batch(prompt):
+            raise SpecdecodeError("stream takes one prompt (generate takes a list of them)")
+        sampling, config = settings_from(sampling, config, keywords, "stream")
+        if not isinstance(sampling, SamplingParams):
+            raise SpecdecodeError("one prompt takes one SamplingParams (a list goes with a list of prompts)")
         matcher = Constraint.for_backend(constraint, self.target) if constraint is not None else None
         sampler = Sampler(sampling)
         setup = SpecSetup(
@@ -176,38 +283,69 @@ class Pipeline:
         chain = Chain(build_strategies(self.spec_types, setup), policy, matcher)
         return Generation(self.target, chain, sampler, config, self.encode(prompt), constraint=matcher)
 
+    @overload
     def generate(
         self,
-        prompt: str | Sequence[int],
-        sampling: SamplingParams = SamplingParams(),
-        config: GenerationConfig = GenerationConfig(),
+        prompt: Prompt,
+        sampling: SamplingParams | None = None,
+        config: GenerationConfig | None = None,
         constraint: ConstraintSpec | None = None,
-    ) -> Result:
-        run = self.stream(prompt, sampling, config, constraint=constraint)
+        **keywords: Unpack[GenerateKeywords],
+    ) -> Result: ...
+
+    @overload
+    def generate(
+        self,
+        prompt: Sequence[Prompt],
+        sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+        config: GenerationConfig | None = None,
+        constraint: ConstraintSpec | None = None,
+        **keywords: Unpack[GenerateKeywords],
+    ) -> list[Result]: ...
+
+    def generate(
+        self,
+        prompt: Prompt | Sequence[Prompt],
+        sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+        config: GenerationConfig | None = None,
+        constraint: ConstraintSpec | None = None,
+        **keywords: Unpack[GenerateKeywords],
+    ) -> Result | list[Result]:
+        """The whole generation for a prompt (text or token ids); for a list of prompts, a list
+        of Results generated as one batch (`generate_batch` with its defaults).
+
+        sampling, config: as objects, or as keywords (`GenerateKeywords`), not both; neither:
+        greedy, 128 tokens at most."""
+        if is_batch(prompt):
+            return self.generate_batch(prompt, sampling, config, constraint=constraint, **keywords)
+        run = self.stream(prompt, sampling, config, constraint=constraint, **keywords)
         for _ in run:
             pass
         return Result(run.text, run.tokens, run.stats)
 
     def generate_batch(
         self,
-        prompts: Sequence[str | Sequence[int]],
-        sampling: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
-        config: GenerationConfig = GenerationConfig(),
+        prompts: Sequence[Prompt],
+        sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+        config: GenerationConfig | None = None,
         *,
         max_sequences: int = 8,
         load_rule: bool = True,
         constraint: ConstraintSpec | None = None,
+        **keywords: Unpack[GenerateKeywords],
     ) -> list[Result]:
         """Generate for every prompt, up to `max_sequences` at a time sharing each target pass
         (see `specdecode.scheduler`); a finished sequence's place goes to the next prompt at
         once. Results come in prompt order, and each is what `generate` gives that prompt
         alone (greedy, or seeded `match`, on a row-invariant backend).
 
-        sampling: one setting for all, or one per prompt (give seeds for reproducible draws).
+        sampling: one setting for all, or one per prompt (give seeds for reproducible draws);
+        or keywords (`GenerateKeywords`), as is config.
         load_rule: shorten a classic chain's drafts as the batch grows (`LoadRule`), and let
         the batch draft only while drafting steps measure faster (`SpeculationGate`); False
         drafts as alone. The adaptive policy prices a batch's rows by itself either way.
         constraint: what every answer must match (each sequence walks its own matcher)."""
+        sampling, config = settings_from(sampling, config, keywords, "generate_batch")
         if max_sequences < 1:
             raise SpecdecodeError(f"max_sequences must be >= 1, not {max_sequences}")
         if isinstance(sampling, SamplingParams):
@@ -271,3 +409,235 @@ class Pipeline:
                 "with --spec-replace TARGET DRAFT."
             )
         return VocabTranslator(self.target, self.draft, replacements)
+
+
+def _silent(line: str) -> None:
+    """A progress callback that shows nothing."""
+
+
+def _with_bundled(
+    draft: str | os.PathLike | PreTrainedModel | None,
+    eagle3: str | os.PathLike | None,
+    spec_types: Sequence[str] | None,
+) -> tuple[Path, str | os.PathLike | PreTrainedModel | None, str | os.PathLike | None]:
+    """(target, draft, head) around the bundled target: the bundled draft, as the command without
+    -m, unless the strategies asked for need none (spec_types without "draft", a head alone);
+    the bundled head where "eagle3" is asked for without one."""
+    target, bundled_draft = bundled_pair()
+    names = strategy_names(spec_types) if spec_types is not None else None
+    if draft is None and ("draft" in names if names is not None else eagle3 is None):
+        draft = bundled_draft
+    if eagle3 is None and names is not None and "eagle3" in names:
+        eagle3 = bundled_eagle3()
+    return target, draft, eagle3
+
+
+def _is_path(source: object) -> bool:
+    return isinstance(source, str | os.PathLike)
+
+
+def _load_model(
+    source: str | os.PathLike | PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase | None,
+    options: LoadOptions,
+    role: str,
+    say: Progress,
+) -> Backend:
+    """The backend for a model on disk (a directory or GGUF file) or one already in memory."""
+    if not _is_path(source):
+        return backend_from_model(source, tokenizer, options)
+    if tokenizer is not None:
+        argument = "tokenizer" if role == "target" else "draft_tokenizer"
+        raise SpecdecodeError(
+            f"{argument}= goes with a model in memory: the {role} model {source} is read with its own"
+        )
+    say(f"loading the {role} model from {source}")
+    return load_backend(source, options)
+
+
+def strategy_names(names: Sequence[str]) -> list[str]:
+    """Strategy names as the chain knows them, llama.cpp's current spellings accepted."""
+    if isinstance(names, str):
+        raise SpecdecodeError(f"spec_types is a list of strategy names, e.g. [{names!r}]")
+    known = [*PRIORITY, *SPEC_TYPE_ALIASES]
+    for name in names:
+        if name not in known:
+            raise SpecdecodeError(f"unknown strategy {name!r} (choose from {', '.join(known)})")
+    return [SPEC_TYPE_ALIASES.get(name, name) for name in names]
+
+
+def is_batch(prompt: Prompt | Sequence[Prompt]) -> bool:
+    """Whether `prompt` is a list of prompts rather than one prompt (text, or token ids)."""
+    if isinstance(prompt, str) or len(prompt) == 0:
+        return False
+    ids = [isinstance(item, numbers.Integral) for item in prompt]
+    if all(ids):
+        return False
+    if any(ids):
+        raise SpecdecodeError(
+            "a prompt is a string or a list of token ids, and a batch a list of prompts: "
+            "this list mixes token ids with other things"
+        )
+    return True
+
+
+def settings_from(
+    sampling: SamplingParams | Sequence[SamplingParams] | None,
+    config: GenerationConfig | None,
+    keywords: Mapping[str, Any],
+    caller: str,
+) -> tuple[SamplingParams | Sequence[SamplingParams], GenerationConfig]:
+    """The sampling and generation settings from objects or keywords (`GenerateKeywords`).
+    A keyword given as None counts as not given."""
+    unknown = [key for key in keywords if key not in (*SAMPLING_KEYWORDS, *CONFIG_KEYWORDS)]
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], (*SAMPLING_KEYWORDS, *CONFIG_KEYWORDS), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise TypeError(f"{caller}() got an unexpected keyword argument {unknown[0]!r}{hint}")
+    given = {key: value for key, value in keywords.items() if value is not None}
+    return _sampling_from(sampling, given), _config_from(config, given)
+
+
+def _given_twice(kind: str, names: Sequence[str]) -> SpecdecodeError:
+    listed = ", ".join(f"{name}=" for name in names)
+    return SpecdecodeError(f"{kind} given twice, as an object and as {listed}: give one or the other")
+
+
+def _sampling_from(
+    sampling: SamplingParams | Sequence[SamplingParams] | None, given: Mapping[str, Any]
+) -> SamplingParams | Sequence[SamplingParams]:
+    named = {key: value for key, value in given.items() if key in SAMPLING_KEYWORDS}
+    if sampling is not None:
+        if named:
+            raise _given_twice("sampling settings", list(named))
+        return sampling
+    do_sample = named.pop("do_sample", None)
+    if do_sample is False:  # Hugging Face's switch: greedy whatever the temperature
+        named["temperature"] = 0.0
+    elif do_sample is True:
+        temperature = named.setdefault("temperature", 1.0)  # Hugging Face's default temperature
+        if temperature <= 0:
+            raise SpecdecodeError(f"do_sample=True samples: it needs a temperature > 0, not {temperature}")
+    return SamplingParams(**named)
+
+
+def _config_from(config: GenerationConfig | None, given: Mapping[str, Any]) -> GenerationConfig:
+    named = {key: value for key, value in given.items() if key in CONFIG_KEYWORDS}
+    if config is not None:
+        if named:
+            raise _given_twice("generation settings", list(named))
+        return config
+    lengths = {key: named.pop(key) for key in LENGTH_KEYWORDS if key in named}
+    if len(set(lengths.values())) > 1:
+        spelled = " and ".join(f"{key}={value}" for key, value in lengths.items())
+        raise SpecdecodeError(f"{spelled} disagree: give the most tokens to generate once")
+    if lengths:
+        named["n_predict"] = next(iter(lengths.values()))
+    return GenerationConfig(**named)
+
+
+# vLLM's speculative_config keys that are read here
+SPECULATIVE_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+MODEL_KEYS = ("model", "num_speculative_tokens")
+LOOKUP_KEYS = ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+# method -> (strategy, the keys it reads besides "method"): vLLM's methods, then this package's
+# strategy names, whose settings are the pipeline's `ngram` (NgramSettings)
+SPECULATIVE_METHODS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "ngram": ("ngram-simple", LOOKUP_KEYS),
+    "draft_model": ("draft", MODEL_KEYS),
+    "eagle3": ("eagle3", MODEL_KEYS),
+    "eagle": ("eagle3", MODEL_KEYS),
+    "draft-simple": ("draft", MODEL_KEYS),
+    "draft": ("draft", MODEL_KEYS),
+    "draft-eagle3": ("eagle3", MODEL_KEYS),
+    **{name: (name, ()) for name in PRIORITY if name.startswith("ngram-")},
+}
+VLLM_PROMPT_LOOKUP = 5  # vLLM's n-gram size when neither prompt_lookup_min nor _max is given
+
+
+@dataclass(frozen=True)
+class SpeculativeChoice:
+    """What a vLLM-style speculative_config asks for, in this package's terms.
+
+    - "ngram": prompt lookup, our ngram-simple (llama.cpp's): it matches the last
+      prompt_lookup_max tokens (vLLM's default: prompt_lookup_min, else 5) and copies up to
+      num_speculative_tokens of what followed. vLLM also tries shorter keys down to
+      prompt_lookup_min; ngram-simple matches one size, so prompt_lookup_min only fills in a
+      missing prompt_lookup_max and is checked to be no larger.
+    - "draft_model" (also "draft", "draft-simple"): a draft model read from `model`, drafting
+      up to num_speculative_tokens (`DraftModelConfig.n_max`, which stops earlier below p_min).
+    - "eagle3" (also "eagle", "draft-eagle3"): an EAGLE-3 head read from `model`, likewise.
+    - "ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache": those
+      strategies with the pipeline's `ngram` settings; no other key.
+    `model` may be left out with the bundled target: the bundled draft or head is used."""
+
+    spec_type: str
+    method: str
+    model: str | os.PathLike | None
+    draft: DraftModelConfig
+    ngram: NgramSettings
+
+    @classmethod
+    def read(
+        cls, config: Mapping[str, Any], draft: DraftModelConfig, ngram: NgramSettings
+    ) -> SpeculativeChoice:
+        """draft, ngram: the pipeline's settings, which num_speculative_tokens and the lookup
+        sizes change."""
+        if not isinstance(config, Mapping):
+            raise SpecdecodeError(f"speculative_config is a dict, not a {type(config).__name__}")
+        unknown = [key for key in config if key not in SPECULATIVE_KEYS]
+        if unknown:
+            raise SpecdecodeError(
+                f"unknown speculative_config key {unknown[0]!r} (known: {', '.join(SPECULATIVE_KEYS)})"
+            )
+        method = config.get("method")
+        if method not in SPECULATIVE_METHODS:
+            supported = ", ".join(SPECULATIVE_METHODS)
+            raise SpecdecodeError(f"unknown speculative_config method {method!r} (supported: {supported})")
+        spec_type, keys = SPECULATIVE_METHODS[method]
+        extra = [key for key in config if key != "method" and key not in keys]
+        if extra:
+            reads = f"it reads {', '.join(keys)}" if keys else "its settings are the pipeline's ngram="
+            raise SpecdecodeError(f"speculative_config method {method!r} takes no {extra[0]!r}: {reads}")
+        tokens = _count(config, "num_speculative_tokens", 1)
+        if spec_type in ("draft", "eagle3") and tokens is not None:
+            draft = replace(draft, n_max=tokens)
+        if method == "ngram":
+            ngram = replace(ngram, simple=_prompt_lookup(config, tokens, ngram.simple))
+        return cls(spec_type, method, config.get("model"), draft, ngram)
+
+    def check_model(self, model: object) -> None:
+        """A model-based method needs its model: given in the config, or the bundled one."""
+        if self.spec_type in ("draft", "eagle3") and model is None:
+            kind = "draft model" if self.spec_type == "draft" else "EAGLE-3 head"
+            raise SpecdecodeError(
+                f"speculative_config method {self.method!r} needs 'model': the {kind}'s directory"
+                + (" or GGUF file" if self.spec_type == "draft" else "")
+            )
+
+
+def _count(config: Mapping[str, Any], key: str, least: int) -> int | None:
+    value = config.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise SpecdecodeError(f"speculative_config {key!r} must be an integer >= {least}, not {value!r}")
+    return value
+
+
+def _prompt_lookup(config: Mapping[str, Any], tokens: int | None, simple: NgramMapConfig) -> NgramMapConfig:
+    """ngram-simple's settings for vLLM's prompt lookup keys (see `SpeculativeChoice`)."""
+    low, high = _count(config, "prompt_lookup_min", 1), _count(config, "prompt_lookup_max", 1)
+    size_n = high if high is not None else low if low is not None else VLLM_PROMPT_LOOKUP
+    if low is not None and low > size_n:
+        raise SpecdecodeError(
+            f"speculative_config prompt_lookup_min ({low}) exceeds prompt_lookup_max ({size_n})"
+        )
+    size_m = tokens if tokens is not None else simple.size_m
+    if size_m < size_n:
+        raise SpecdecodeError(
+            f"speculative_config num_speculative_tokens ({size_m}) is below the n-gram size ({size_n}): "
+            "ngram-simple (llama.cpp's) copies at least as many tokens as it matches, so it would never "
+            "draft; raise num_speculative_tokens or lower prompt_lookup_max"
+        )
+    return replace(simple, size_n=size_n, size_m=size_m)

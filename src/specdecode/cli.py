@@ -3,47 +3,63 @@
 Flags follow llama.cpp's names. Every user mistake ends with one `error:` line and exit
 status 2, never a traceback; so does a command whose optional packages are not installed
 (each is imported only by the command that uses it, see `specdecode.errors.EXTRAS`).
+
+Building the parser imports nothing heavy: the flags' defaults and choices come from light
+modules (`specdecode.config`, each tool's `flags`), and each command's handler imports what it
+runs. So --help, --version and a mistyped flag answer at once, before torch would have loaded.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
+import importlib.metadata
 import json
+import os
 import sys
+import textwrap
+import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, NoReturn
 
-from transformers.utils import logging as hf_logging
-
-from specdecode.api import Pipeline
-from specdecode.backends.hf import DTYPES, PASSES, LoadOptions
-from specdecode.backends.load import BACKENDS
-from specdecode.bench import command as bench_command
-from specdecode.bench import constrained as bench_constrained
-from specdecode.bench import drafting as bench_drafting
-from specdecode.bench import passes as bench_passes
-from specdecode.bench import serving as bench_serving
-from specdecode.constraints import ConstraintSpec
-from specdecode.defaults import resolve_eagle3, resolve_models
-from specdecode.errors import SpecdecodeError, missing_package, read_text_file
-from specdecode.export.command import add_export_parser
-from specdecode.generate import GenerationConfig
-from specdecode.loadtest import add_loadtest_parser
-from specdecode.lookup import add_lookup_parser
-from specdecode.policy import SPEC_POLICIES
-from specdecode.sampling import SamplingParams
-from specdecode.server.settings import add_server_args, settings_from_args
-from specdecode.strategies import (
-    AVAILABLE,
+from specdecode.bench.flags import (
+    add_bench_constrained_parser,
+    add_bench_draft_parser,
+    add_bench_parser,
+    add_bench_passes_parser,
+    add_bench_serve_parser,
+)
+from specdecode.config import (
+    BACKENDS,
+    DTYPE_NAMES,
+    PASSES,
+    PRIORITY,
+    SPEC_POLICIES,
+    VERIFY_MODES,
     DraftModelConfig,
     NgramMapConfig,
     NgramModConfig,
     NgramSettings,
+    SamplingParams,
     parse_spec_types,
+    spec_type_name,
 )
-from specdecode.train.commands import add_train_parser
-from specdecode.train.evaluate import add_eval_parser
-from specdecode.verify import VERIFY_MODES
+from specdecode.errors import SpecdecodeError, missing_package, read_text_file
+from specdecode.export.flags import add_export_parser
+from specdecode.loadtest import add_loadtest_parser
+from specdecode.server.settings import add_server_args, settings_from_args
+from specdecode.train.flags import add_eval_parser, add_train_parser
+
+if TYPE_CHECKING:
+    from specdecode.api import Pipeline
+    from specdecode.backends.hf import LoadOptions
+    from specdecode.constraints import ConstraintSpec
+
+# llama.cpp's sampling default: the command samples unless given --temp 0 (the library's
+# SamplingParams is greedy unless asked to sample).
+DEFAULT_TEMPERATURE = 0.8
+DRAFTING = DraftModelConfig()  # llama.cpp's classic drafting defaults
 
 STRATEGY_HELP = {
     "none": "no speculation: plain generation, one target pass per token",
@@ -52,22 +68,115 @@ STRATEGY_HELP = {
     "ngram-map-k4v": "ngram-map-k counting up to 4 continuations per n-gram; drafts only a dominant one",
     "ngram-mod": "a hashed pool of n-gram -> next token shared by all generations; long drafts (48-64)",
     "ngram-cache": "1- to 4-gram statistics of the context, a dynamic (-lcd) and a static (-lcs) cache file",
-    "draft": "a small draft model (-md) of the same vocabulary proposes up to --draft-max tokens",
-    "eagle3": "an EAGLE-3 head (-me) over the target's own hidden states proposes up to --draft-max tokens",
+    "draft-simple": "a small draft model (-md) of the same vocabulary proposes up to --spec-draft-n-max "
+    "tokens (also: draft)",
+    "draft-eagle3": "an EAGLE-3 head (-me) over the target's own hidden states proposes up to "
+    "--spec-draft-n-max tokens (also: eagle3)",
     "forced": "under --grammar/--json-schema/--regex: the tokens the grammar allows alone (added to any "
     "speculation)",
 }
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Each flag's default shown once, after its help, unless the help already says it or there
+    is none to show (no value, a switch, a flag absent unless given); epilogs kept as written."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        shown = action.default not in (None, argparse.SUPPRESS) and action.default is not False  # 0 is shown
+        if not shown or not action.option_strings or "default" in text:
+            return text
+        return f"{text} (default: %(default)s)"
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)  # flags stay whole
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse's parser as every `specdecode` command has it (subcommands inherit the class):
+    no abbreviated flags (an abbreviation that a new flag makes ambiguous would break scripts),
+    the help formatted alike, and a mistake answered with the usage of the command it was made
+    in, then one `error:` line suggesting the closest flag, command or choice."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def parse_args(
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> argparse.Namespace:
+        namespace, unknown = self.parse_known_args(args, namespace)
+        if unknown:
+            self.command_parser(namespace).refuse_unknown(unknown)
+        return namespace
+
+    def command_parser(self, namespace: argparse.Namespace) -> Parser:
+        """The parser of the innermost (sub)command `namespace` names: all that follows a
+        subcommand's name is its own, so an argument none of them took was meant for it."""
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                chosen = action.choices.get(getattr(namespace, action.dest, None))
+                if chosen is not None:
+                    return chosen.command_parser(namespace)
+        return self
+
+    def refuse_unknown(self, unknown: list[str]) -> NoReturn:
+        """The arguments no parser took, each flag followed by the closest one this parser has."""
+        flags = [flag for action in self._actions for flag in action.option_strings]
+        words = []
+        for word in unknown:
+            words.append(word)
+            close = difflib.get_close_matches(word.split("=")[0], flags, n=1) if word.startswith("-") else []
+            if close:
+                words.append(f"(did you mean {close[0]}?)")
+        self.error(f"unrecognized arguments: {' '.join(words)}")
+
+    def _check_value(self, action: argparse.Action, value: object) -> None:
+        # argparse's own check (a private method, of the same signature in every Python this
+        # package supports), suggesting the closest choice rather than listing them all
+        if action.choices is None or value in action.choices:
+            return
+        choices = [str(choice) for choice in action.choices]
+        close = difflib.get_close_matches(str(value), choices, n=1)
+        hint = f"did you mean {close[0]!r}?" if close else f"choose from {', '.join(choices)}"
+        if isinstance(action, argparse._SubParsersAction):
+            raise argparse.ArgumentError(None, f"unknown command {value!r} ({hint})")
+        raise argparse.ArgumentError(action, f"invalid choice: {value!r} ({hint})")
+
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        self.exit(2, f"error: {message}\n")
+
+
+def version() -> str:
+    try:
+        return importlib.metadata.version("specdecode")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree never installed
+        return "(version unknown: not installed)"
+
+
+def say(message: str) -> None:
+    """A start-up phase, on stderr: loading models takes a while, and this shows which step runs."""
+    print(f"specdecode: {message}", file=sys.stderr, flush=True)
+
+
 def add_constraint_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("constrained output (one of)").add_mutually_exclusive_group()
     group.add_argument(
-        "--grammar", type=Path, help="a GBNF grammar file (or Lark with a %%llguidance header)"
+        "--grammar", metavar="TEXT", help="a GBNF grammar, inline (or Lark with a %%llguidance header)"
+    )
+    group.add_argument("--grammar-file", type=Path, metavar="FILE", help="a file holding the grammar")
+    group.add_argument(
+        "-j",
+        "--json-schema",
+        metavar="TEXT",
+        help="a JSON schema, inline: the output is one JSON value of it",
     )
     group.add_argument(
-        "--json-schema", type=Path, help="a JSON schema file: the output is one JSON value of it"
+        "-jf", "--json-schema-file", type=Path, metavar="FILE", help="a file holding the JSON schema"
     )
-    group.add_argument("--regex", help="a regular expression the whole output matches")
+    group.add_argument("--regex", metavar="TEXT", help="a regular expression the whole output matches")
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -82,13 +191,13 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
         "-md",
         "--model-draft",
         type=Path,
-        help="draft model directory or GGUF file (enables --spec-type draft)",
+        help="draft model directory or GGUF file (enables --spec-type draft-simple)",
     )
     group.add_argument(
         "-me",
         "--model-eagle3",
         type=Path,
-        help="EAGLE-3 head directory (enables --spec-type eagle3; default with the bundled target: "
+        help="EAGLE-3 head directory (enables --spec-type draft-eagle3; default with the bundled target: "
         "the bundled head)",
     )
     group.add_argument(
@@ -106,8 +215,10 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("-b", "--batch-size", type=int, default=512, help="prompt tokens per forward pass")
     group.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     group.add_argument("--device-draft", help="device of the draft (default: --device)")
-    group.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help="target weights dtype")
-    group.add_argument("--dtype-draft", default="auto", choices=["auto", *DTYPES], help="draft weights dtype")
+    group.add_argument("--dtype", default="auto", choices=["auto", *DTYPE_NAMES], help="target weights dtype")
+    group.add_argument(
+        "--dtype-draft", default="auto", choices=["auto", *DTYPE_NAMES], help="draft weights dtype"
+    )
     group.add_argument(
         "--backend",
         default="auto",
@@ -148,48 +259,68 @@ def add_spec_args(parser: argparse.ArgumentParser) -> None:
         "--spec-policy",
         choices=SPEC_POLICIES,
         default="adaptive",
-        help="classic: llama.cpp's fixed chain, --draft-p-min and --draft-max; adaptive: each step "
-        "drafts the strategy and length with the most expected tokens per second, from pass costs "
-        "timed at load and acceptance measured as it runs (--draft-max caps the length; with tree "
-        "settings it sizes each tree)",
-    )
-    group.add_argument("--draft-max", "--spec-draft-n-max", type=int, default=16, help="max draft tokens")
-    group.add_argument(
-        "--draft-min", "--spec-draft-n-min", type=int, default=0, help="drop drafts shorter than this"
+        help="classic: llama.cpp's fixed chain, --spec-draft-p-min and --spec-draft-n-max; adaptive: "
+        "each step drafts the strategy and length with the most expected tokens per second, from "
+        "pass costs timed at load and acceptance measured as it runs (--spec-draft-n-max caps the "
+        "length; with tree settings it sizes each tree)",
     )
     group.add_argument(
-        "--draft-p-min",
+        "--spec-draft-n-max",
+        "--draft-max",
+        dest="draft_max",
+        metavar="N",
+        type=int,
+        default=DRAFTING.n_max,
+        help="most tokens a draft holds (default: %(default)s, llama.cpp's classic default, a cap for "
+        "the adaptive policy; current llama.cpp's is 3)",
+    )
+    group.add_argument(
+        "--spec-draft-n-min",
+        "--draft-min",
+        dest="draft_min",
+        metavar="N",
+        type=int,
+        default=DRAFTING.n_min,
+        help="drop drafts shorter than this",
+    )
+    group.add_argument(
         "--spec-draft-p-min",
+        "--draft-p-min",
+        dest="draft_p_min",
+        metavar="P",
         type=float,
-        default=0.75,
-        help="stop drafting when the draft's top-1 probability is below this",
+        default=DRAFTING.p_min,
+        help="stop drafting when the draft's top-1 probability is below this (default: %(default)s, "
+        "llama.cpp's classic default; current llama.cpp's is 0)",
     )
     group.add_argument(
         "--draft-n-parallel",
         type=int,
-        default=1,
-        help="draft-model trees: most branches (1: a chain); a tree holds at most --draft-max nodes",
+        default=DRAFTING.n_parallel,
+        help="draft-model trees: most branches (1: a chain); a tree holds at most --spec-draft-n-max nodes",
     )
     group.add_argument(
-        "--draft-p-split",
         "--spec-draft-p-split",
+        "--draft-p-split",
+        dest="draft_p_split",
+        metavar="P",
         type=float,
-        default=0.1,
+        default=DRAFTING.p_split,
         help="draft-model trees: a candidate above this probability opens a branch",
     )
     group.add_argument(
         "--draft-tree-tokens",
         type=int,
-        default=0,
-        help="EAGLE-3 dynamic tree: nodes per draft (0: a chain); --draft-max is then its depth, "
-        "and --draft-p-min does not apply",
+        default=DRAFTING.tree_tokens,
+        help="EAGLE-3 dynamic tree: nodes per draft (0: a chain); --spec-draft-n-max is then its depth, "
+        "and --spec-draft-p-min does not apply",
     )
     group.add_argument(
         "--draft-tree-topk",
         type=int,
         default=argparse.SUPPRESS,  # absent when not given: giving it without a head is refused
         help=f"EAGLE-3 dynamic tree: nodes expanded per depth, and children of each "
-        f"(default: {DraftModelConfig.tree_topk})",
+        f"(default: {DRAFTING.tree_topk})",
     )
     group.add_argument(
         "--verify",
@@ -241,17 +372,19 @@ def add_ngram_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def add_sampling_args(parser: argparse.ArgumentParser, temperature: float) -> None:
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     d = SamplingParams()
-    group = parser.add_argument_group("sampling")
-    group.add_argument("--temp", type=float, default=temperature, help="temperature, <= 0 greedy")
+    group = parser.add_argument_group("sampling (llama.cpp's defaults)")
+    group.add_argument(
+        "--temp", type=float, default=DEFAULT_TEMPERATURE, help="temperature, <= 0 greedy (--temp 0)"
+    )
     group.add_argument("--top-k", type=int, default=d.top_k, help="top-k, 0 off")
     group.add_argument("--top-p", type=float, default=d.top_p, help="top-p, 1 off")
     group.add_argument("--min-p", type=float, default=d.min_p, help="min-p, 0 off")
     group.add_argument("--repeat-penalty", type=float, default=d.repeat_penalty, help="1 off")
     group.add_argument("--repeat-last-n", type=int, default=d.repeat_last_n, help="penalty window, -1 all")
-    group.add_argument("--presence-penalty", type=float, default=0.0, help="0 off")
-    group.add_argument("--frequency-penalty", type=float, default=0.0, help="0 off")
+    group.add_argument("--presence-penalty", type=float, default=d.presence_penalty, help="0 off")
+    group.add_argument("--frequency-penalty", type=float, default=d.frequency_penalty, help="0 off")
     group.add_argument("-s", "--seed", type=int, help="random seed (default: random, printed in the stats)")
 
 
@@ -293,7 +426,7 @@ def draft_config(args: argparse.Namespace) -> DraftModelConfig:
         p_split=args.draft_p_split,
         n_parallel=args.draft_n_parallel,
         tree_tokens=args.draft_tree_tokens,
-        tree_topk=getattr(args, "draft_tree_topk", DraftModelConfig.tree_topk),
+        tree_topk=getattr(args, "draft_tree_topk", DRAFTING.tree_topk),
     )
 
 
@@ -304,7 +437,7 @@ def check_tree_flags(args: argparse.Namespace, uses_draft: bool, uses_eagle3: bo
     if args.draft_n_parallel > 1 and not uses_draft:
         raise SpecdecodeError(
             f"--draft-n-parallel {args.draft_n_parallel} branches a draft model's drafts: "
-            "give a draft model (-md DIR) drafting with --spec-type draft"
+            "give a draft model (-md DIR) drafting with --spec-type draft-simple"
         )
     for flag, value, given in (
         ("--draft-tree-tokens", args.draft_tree_tokens, args.draft_tree_tokens > 0),
@@ -313,12 +446,14 @@ def check_tree_flags(args: argparse.Namespace, uses_draft: bool, uses_eagle3: bo
         if given and not uses_eagle3:
             raise SpecdecodeError(
                 f"{flag} {value} shapes an EAGLE-3 head's trees: give a head (-me DIR) drafting "
-                "with --spec-type eagle3"
+                "with --spec-type draft-eagle3"
             )
 
 
 def load_options(args: argparse.Namespace) -> tuple[LoadOptions, LoadOptions]:
     """The target's and the draft's loading options (the draft's default to the target's)."""
+    from specdecode.backends.hf import LoadOptions
+
     for flag, value, least in (
         ("-c/--ctx-size", args.ctx_size, 0),
         ("-cd/--ctx-size-draft", args.ctx_size_draft, 0),
@@ -354,6 +489,10 @@ def load_options(args: argparse.Namespace) -> tuple[LoadOptions, LoadOptions]:
 
 
 def pipeline_from_args(args: argparse.Namespace) -> Pipeline:
+    """The pipeline the flags describe, each start-up phase said on stderr as it begins."""
+    from specdecode.api import Pipeline
+    from specdecode.defaults import resolve_eagle3, resolve_models
+
     spec_types = parse_spec_types(args.spec_type) if args.spec_type is not None else None
     if spec_types is None and args.model_eagle3 is not None:
         # -me enables eagle3 as -md enables draft: both given, both run (draft first)
@@ -370,6 +509,7 @@ def pipeline_from_args(args: argparse.Namespace) -> Pipeline:
         eagle3_layer_offset=args.eagle3_layer_offset,
         target_options=target_options,
         draft_options=draft_options,
+        progress=say,
         spec_types=spec_types,
         draft_config=draft_config(args),
         ngram=ngram_from_args(args),
@@ -403,12 +543,18 @@ def read_prompt(args: argparse.Namespace) -> str:
 
 
 def constraint_from_args(args: argparse.Namespace) -> ConstraintSpec | None:
-    """--grammar FILE, --json-schema FILE or --regex R; checked for syntax before any model loads
-    (fully, against the tokenizer, when the generation starts)."""
-    if args.grammar is not None:
-        spec = ConstraintSpec("grammar", read_text_file(args.grammar, "grammar file"))
+    """--grammar, --json-schema or --regex (inline), --grammar-file or --json-schema-file; checked
+    for syntax before any model loads (fully, against the tokenizer, when the generation starts)."""
+    from specdecode.constraints import ConstraintSpec
+
+    if args.grammar_file is not None:
+        spec = ConstraintSpec("grammar", read_text_file(args.grammar_file, "grammar file"))
+    elif args.json_schema_file is not None:
+        spec = ConstraintSpec("json_schema", read_text_file(args.json_schema_file, "JSON schema file"))
+    elif args.grammar is not None:
+        spec = ConstraintSpec("grammar", args.grammar)
     elif args.json_schema is not None:
-        spec = ConstraintSpec("json_schema", read_text_file(args.json_schema, "JSON schema file"))
+        spec = ConstraintSpec("json_schema", args.json_schema)
     elif args.regex is not None:
         spec = ConstraintSpec("regex", args.regex)
     else:
@@ -417,16 +563,36 @@ def constraint_from_args(args: argparse.Namespace) -> ConstraintSpec | None:
                 "--spec-type forced drafts what a grammar forces: give --grammar, --json-schema or --regex"
             )
         return None
-    spec.grammar()
+    try:
+        spec.grammar()
+    except SpecdecodeError as exc:
+        raise inline_file_error(args, exc) from None
     return spec
 
 
+def inline_file_error(args: argparse.Namespace, error: SpecdecodeError) -> SpecdecodeError:
+    """An inline grammar or schema that does not parse but names a file was meant as the file
+    (llama.cpp's --grammar and --json-schema were files once): say which flag reads files."""
+    for flag, value in (("--grammar", args.grammar), ("--json-schema", args.json_schema)):
+        if value is not None and os.path.isfile(value):  # False, not an error, for a long text
+            return SpecdecodeError(
+                f"{flag} takes the text itself, and {value!r} is not valid as text but is a file: "
+                f"give {flag}-file {value}"
+            )
+    return error
+
+
 def run_generate(args: argparse.Namespace) -> None:
-    prompt = read_prompt(args)
+    from specdecode.generate import GenerationConfig
+
+    started = time.perf_counter()
+    prompt = read_prompt(args)  # the flags' mistakes first, before the models load
     constraint = constraint_from_args(args)
-    pipeline = pipeline_from_args(args)
+    sampling = sampling_from_args(args)
     config = GenerationConfig(args.n_predict, tuple(args.stop or ()), args.verify, args.ignore_eos)
-    run = pipeline.stream(prompt, sampling_from_args(args), config, constraint=constraint)
+    pipeline = pipeline_from_args(args)
+    say(f"ready in {time.perf_counter() - started:.1f} s")
+    run = pipeline.stream(prompt, sampling, config, constraint=constraint)
     for chunk in run:
         if args.stream and not args.json:
             print(chunk.text, end="", flush=True)
@@ -444,32 +610,45 @@ def run_generate(args: argparse.Namespace) -> None:
 def run_serve(args: argparse.Namespace) -> None:
     from specdecode.server import serve  # the HTTP stack: before the socket and the models
 
+    started = time.perf_counter()
+    sampling = sampling_from_args(args)
     with serve.listen(args.host, args.port) as sock:
         pipeline = pipeline_from_args(args)
-        settings = settings_from_args(args, pipeline, sampling_from_args(args))
+        settings = settings_from_args(args, pipeline, sampling)
+        say(f"ready in {time.perf_counter() - started:.1f} s, serving on {serve.address(sock)}")
         serve.run(pipeline, settings, sock)
 
 
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Defaults shown after each flag; the strategy list kept one line per strategy."""
+def run_bench(args: argparse.Namespace) -> None:
+    from specdecode.bench import command
+
+    command.run_bench(args, draft_config(args), ngram_from_args(args), *load_options(args))
 
 
 def strategies_epilog() -> str:
-    lines = [f"  {name:<14} {STRATEGY_HELP[name]}" for name in ("none", *AVAILABLE)]
-    return "strategies (--spec-type, any comma-separated combination):\n" + "\n".join(lines)
+    """One entry per strategy, by the name --spec-type takes (llama.cpp's current one)."""
+    names = [spec_type_name(name) for name in ("none", *PRIORITY)]
+    entries = [
+        textwrap.fill(
+            STRATEGY_HELP[name],
+            100,
+            initial_indent=f"  {name:<14} ",
+            subsequent_indent=" " * 17,
+            break_on_hyphens=False,  # flags stay whole
+        )
+        for name in names
+    ]
+    return "strategies (--spec-type, any comma-separated combination):\n" + "\n".join(entries)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="specdecode", description="Speculative decoding: faster, identical output."
-    )
-    commands = parser.add_subparsers(dest="command", required=True)
-
+def add_generate_parser(commands: argparse._SubParsersAction) -> None:
     gen = commands.add_parser(
         "generate",
         help="generate a continuation of a prompt",
-        formatter_class=HelpFormatter,
-        epilog=strategies_epilog(),
+        usage="%(prog)s [-p PROMPT | -f FILE] [options]",
+        description="Generate a continuation of a prompt, speculatively: the same text as plain generation,\n"
+        "in fewer target passes. Speculation pays most at temperature 0 (--temp 0).",
+        epilog=strategies_epilog() + '\n\nexample:\n  specdecode generate --temp 0 -n 64 -p "def fib(n):"',
     )
     gen.add_argument("-p", "--prompt", help="prompt text")
     gen.add_argument("-f", "--file", help="read the prompt from a file")
@@ -483,46 +662,116 @@ def build_parser() -> argparse.ArgumentParser:
     add_constraint_args(gen)
     add_model_args(gen)
     add_spec_args(gen)
-    add_sampling_args(gen, temperature=SamplingParams().temperature)
+    add_sampling_args(gen)
     gen.set_defaults(handler=run_generate)
 
-    ben = bench_command.add_bench_parser(commands)
-    add_model_args(ben)
-    add_ngram_args(ben)
-    ben.set_defaults(
-        handler=lambda args: bench_command.run_bench(
-            args, draft_config(args), ngram_from_args(args), *load_options(args)
-        )
-    )
 
+def add_serve_parser(commands: argparse._SubParsersAction) -> None:
     srv = commands.add_parser(
         "serve",
         help="an OpenAI-compatible HTTP server (completions, chat) with speculative decoding",
-        formatter_class=HelpFormatter,
-        epilog=strategies_epilog(),
+        usage="%(prog)s [--host HOST] [--port PORT] [options]",
+        epilog=strategies_epilog() + "\n\nexample:\n  specdecode serve --port 8080 --temp 0",
     )
     add_server_args(srv)
     add_model_args(srv)
     add_spec_args(srv)
-    add_sampling_args(srv, temperature=SamplingParams().temperature)
+    add_sampling_args(srv)
     srv.set_defaults(handler=run_serve)
+
+
+def add_lookup_parser(commands: argparse._SubParsersAction) -> None:
+    """`lookup create|merge|stats`: the files --spec-type ngram-cache reads (-lcs, -lcd)."""
+    lookup = commands.add_parser(
+        "lookup",
+        help="n-gram cache files for --spec-type ngram-cache",
+        epilog="example:\n  specdecode lookup create -f corpus.txt -lcs static.lcs",
+    )
+    tools = lookup.add_subparsers(dest="lookup_command", required=True)
+    model_help = "model directory or GGUF file, only its tokenizer is read (default: the bundled target)"
+
+    create = tools.add_parser(
+        "create",
+        help="static cache of a text corpus (2-grams)",
+        epilog="example:\n  specdecode lookup create -f corpus.txt -lcs static.lcs",
+    )
+    create.add_argument("-m", "--model", type=Path, help=model_help)
+    create.add_argument("-f", "--file", type=Path, required=True, help="the text corpus")
+    create.add_argument("-lcs", "--lookup-cache-static", type=Path, required=True, help="output cache file")
+    create.set_defaults(handler=run_lookup)
+
+    merge = tools.add_parser(
+        "merge",
+        help="add the counts of cache files: IN [IN ...] OUT",
+        epilog="example:\n  specdecode lookup merge a.lcs b.lcs merged.lcs",
+    )
+    merge.add_argument("files", nargs="+", type=Path, metavar="FILE", help="input caches, then the output")
+    merge.set_defaults(handler=run_lookup)
+
+    stats = tools.add_parser(
+        "stats",
+        help="simulated ngram-cache drafting on a text, no model run",
+        epilog="example:\n  specdecode lookup stats -f text.py -lcs static.lcs",
+    )
+    stats.add_argument("-m", "--model", type=Path, help=model_help)
+    stats.add_argument("-f", "--file", type=Path, required=True, help="the text to replay")
+    stats.add_argument("-c", "--ctx-size", type=int, default=512, help="tokens per replayed chunk")
+    stats.add_argument(
+        "--spec-draft-n-max",
+        "--draft-max",
+        dest="draft_max",
+        metavar="N",
+        type=int,
+        default=DRAFTING.n_max,
+        help="draft length",
+    )
+    stats.add_argument("-lcs", "--lookup-cache-static", type=Path, help="static cache file")
+    stats.add_argument(
+        "-lcd", "--lookup-cache-dynamic", type=Path, help="dynamic cache file (absent: start empty)"
+    )
+    stats.set_defaults(handler=run_lookup)
+
+
+def run_lookup(args: argparse.Namespace) -> None:
+    from specdecode import lookup
+
+    handlers = {"create": lookup.run_create, "merge": lookup.run_merge, "stats": lookup.run_stats}
+    handlers[args.lookup_command](args)
+
+
+def build_parser() -> Parser:
+    parser = Parser(
+        prog="specdecode",
+        description="Speculative decoding: faster, identical output.",
+        epilog='example:\n  specdecode generate --temp 0 -n 64 -p "def fib(n):"',
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    add_generate_parser(commands)
+    bench = add_bench_parser(commands)
+    add_model_args(bench)
+    add_ngram_args(bench)
+    bench.set_defaults(handler=run_bench)
+    add_serve_parser(commands)
     add_loadtest_parser(commands)
     add_lookup_parser(commands)
     add_train_parser(commands)
     add_export_parser(commands)
     add_eval_parser(commands)
-    bench_drafting.add_bench_draft_parser(commands)
-    bench_passes.add_bench_passes_parser(commands)
-    bench_serving.add_bench_serve_parser(commands)
-    bench_constrained.add_bench_constrained_parser(commands)
+    add_bench_draft_parser(commands)
+    add_bench_passes_parser(commands)
+    add_bench_serve_parser(commands)
+    add_bench_constrained_parser(commands)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = list(argv) if argv is not None else sys.argv[1:]  # what `train --nproc` starts again
-    hf_logging.disable_progress_bar()  # loading bars would bury the one line that matters
     try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # loading bars would bury the one line that matters
         args.handler(args)
     except SpecdecodeError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -44,12 +44,25 @@ from specdecode.verify import VERIFY_MODES, Verdict, verify_match, verify_reject
 
 @dataclass(frozen=True)
 class GenerationConfig:
-    n_predict: int = 128  # -1: until end of generation or a full context
+    """When a generation ends, and how drafts are verified.
+
+    n_predict: the most tokens to generate (-1: until end of generation or a full context);
+    `Pipeline.generate` also takes it as max_new_tokens (Hugging Face's name) or max_tokens (vLLM's).
+    stop: strings that end the text (cut before them); a single string is one stop string.
+    verify: "match" (the tokens plain generation would draw) or "rejection" (rejection sampling).
+    ignore_eos: go on past end-of-generation tokens."""
+
+    n_predict: int = 128
     stop: tuple[str, ...] = ()
     verify: str = "match"
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
+        # A string is a sequence of characters: unwrapped, "\n\n" would stop at every "\n".
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if not all(isinstance(text, str) for text in stop):
+            raise SpecdecodeError(f"stop strings must be strings, not {stop!r}")
+        object.__setattr__(self, "stop", stop)  # a tuple whatever sequence was given: hashable, fixed
         if self.verify not in VERIFY_MODES:
             raise SpecdecodeError(
                 f"unknown verify mode {self.verify!r} (choose from {', '.join(VERIFY_MODES)})"

@@ -55,7 +55,7 @@ def add_loadtest_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
     parser = subparsers.add_parser(
         "loadtest",
         help="concurrent clients against a running `specdecode serve`: throughput, latency, memory",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog="example:\n  specdecode loadtest --url http://127.0.0.1:8080 --clients 4 --duration 10",
     )
     parser.add_argument("--url", default="http://127.0.0.1:8080", help="the server's base URL")
     parser.add_argument("--clients", type=int, default=8, help="concurrent clients")

@@ -11,7 +11,8 @@
   target's own. The context cache starts empty for each chunk, learns every appended
   token, and is added into the dynamic cache after the chunk.
 
-`add_lookup_parser` registers `specdecode lookup create|merge|stats`.
+`run_create`, `run_merge` and `run_stats` run `specdecode lookup create|merge|stats` (whose flags
+are in `specdecode.cli`).
 """
 
 from __future__ import annotations
@@ -178,7 +179,7 @@ def format_stats(result: LookupStats) -> str:
 # --------------------------------------------------------------------------- command line
 
 
-def _run_create(args: argparse.Namespace) -> None:
+def run_create(args: argparse.Namespace) -> None:
     output = args.lookup_cache_static
     if output.exists() and args.file.exists() and os.path.samefile(output, args.file):
         raise SpecdecodeError(f"-lcs {output} is the same file as the corpus -f: it would be overwritten")
@@ -195,7 +196,7 @@ def model_tokenizer(model: Path | None) -> PreTrainedTokenizerBase:
     return load_gguf_tokenizer(target) if is_gguf(target) else load_tokenizer(target)
 
 
-def _run_merge(args: argparse.Namespace) -> None:
+def run_merge(args: argparse.Namespace) -> None:
     if len(args.files) < 2:
         raise SpecdecodeError("lookup merge needs input caches and then the output: IN [IN ...] OUT")
     *inputs, output = args.files
@@ -203,7 +204,7 @@ def _run_merge(args: argparse.Namespace) -> None:
     print(f"{len(inputs)} caches, {len(merged)} n-grams -> {output}", file=sys.stderr)
 
 
-def _run_stats(args: argparse.Namespace) -> None:
+def run_stats(args: argparse.Namespace) -> None:
     tokens = tokenize(model_tokenizer(args.model), read_text_file(args.file, "text file"))
     start = time.perf_counter()
     static = load(args.lookup_cache_static) if args.lookup_cache_static else None
@@ -212,36 +213,3 @@ def _run_stats(args: argparse.Namespace) -> None:
         dynamic = load(args.lookup_cache_dynamic)
     loaded = time.perf_counter() - start
     print(format_stats(stats(tokens, args.ctx_size, args.draft_max, static, dynamic, t_draft_flat=loaded)))
-
-
-def add_lookup_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Register `lookup create|merge|stats`; each sets `handler` (called by cli.main)."""
-    lookup = subparsers.add_parser("lookup", help="n-gram cache files for --spec-type ngram-cache")
-    tools = lookup.add_subparsers(dest="lookup_command", required=True)
-    model_help = "model directory or GGUF file, only its tokenizer is read (default: the bundled target)"
-
-    create_p = tools.add_parser("create", help="static cache of a text corpus (2-grams)")
-    create_p.add_argument("-m", "--model", type=Path, help=model_help)
-    create_p.add_argument("-f", "--file", type=Path, required=True, help="the text corpus")
-    create_p.add_argument("-lcs", "--lookup-cache-static", type=Path, required=True, help="output cache file")
-    create_p.set_defaults(handler=_run_create)
-
-    merge_p = tools.add_parser("merge", help="add the counts of cache files: IN [IN ...] OUT")
-    merge_p.add_argument("files", nargs="+", type=Path, metavar="FILE", help="input caches, then the output")
-    merge_p.set_defaults(handler=_run_merge)
-
-    stats_p = tools.add_parser(
-        "stats",
-        help="simulated ngram-cache drafting on a text, no model run",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    stats_p.add_argument("-m", "--model", type=Path, help=model_help)
-    stats_p.add_argument("-f", "--file", type=Path, required=True, help="the text to replay")
-    stats_p.add_argument("-c", "--ctx-size", type=int, default=512, help="tokens per replayed chunk")
-    stats_p.add_argument("--draft-max", "--spec-draft-n-max", type=int, default=16, help="draft length")
-    stats_p.add_argument("-lcs", "--lookup-cache-static", type=Path, help="static cache file")
-    stats_p.add_argument(
-        "-lcd", "--lookup-cache-dynamic", type=Path, help="dynamic cache file (absent: start empty)"
-    )
-    stats_p.set_defaults(handler=_run_stats)
-    return lookup

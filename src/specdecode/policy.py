@@ -66,9 +66,9 @@ from itertools import combinations
 import numpy as np
 
 from specdecode.backends import Backend, common_prefix
+from specdecode.config import SPEC_POLICIES
 from specdecode.errors import SpecdecodeError
 
-SPEC_POLICIES = ("classic", "adaptive")
 CALIBRATION_ROWS = (1, 2, 3, 5, 9, 17)
 CALIBRATION_REPS = 3
 CALIBRATION_CONTEXT = 32  # tokens in the cache while timing, as after a short prompt

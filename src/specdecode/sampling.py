@@ -11,53 +11,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from specdecode.errors import SpecdecodeError
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """Sampling settings; defaults are llama.cpp's. temperature <= 0 means greedy."""
-
-    temperature: float = 0.8
-    top_k: int = 40
-    top_p: float = 0.95
-    min_p: float = 0.05
-    repeat_penalty: float = 1.0
-    repeat_last_n: int = 64
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int | None = None
-
-    def __post_init__(self) -> None:
-        checks = [
-            (math.isfinite(self.temperature), "temperature must be a finite number"),
-            (self.top_k >= 0, "top_k must be >= 0 (0 disables it)"),
-            (0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]"),
-            (0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]"),
-            (self.repeat_penalty > 0.0, "repeat_penalty must be > 0 (1 disables it)"),
-            (self.repeat_last_n >= -1, "repeat_last_n must be >= -1 (-1 = whole context)"),
-            (math.isfinite(self.presence_penalty), "presence_penalty must be a finite number"),
-            (math.isfinite(self.frequency_penalty), "frequency_penalty must be a finite number"),
-            (self.seed is None or 0 <= self.seed < 2**64, "seed must be in [0, 2^64)"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise SpecdecodeError(message)
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature <= 0.0
-
-    @property
-    def has_penalties(self) -> bool:
-        return (
-            self.repeat_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-        ) and self.repeat_last_n != 0
+from specdecode.config import SamplingParams
 
 
 def apply_penalties(logits: torch.Tensor, params: SamplingParams, history: Sequence[int]) -> torch.Tensor:

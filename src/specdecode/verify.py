@@ -22,10 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
+from specdecode.config import VERIFY_MODES as VERIFY_MODES  # re-exported: generate reads it here
 from specdecode.sampling import Sampler, distribution
 from specdecode.strategies.base import Draft
-
-VERIFY_MODES = ("match", "rejection")
 
 
 @dataclass(frozen=True)

@@ -34,16 +34,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 
 from specdecode.backends.hf import check_model_directory, load_model_config, load_tokenizer
 from specdecode.backends.native import native_unsupported
+from specdecode.config import GGUF_FORMATS as FORMATS
+from specdecode.config import LLAMA_CPP_FORMATS
 from specdecode.errors import SpecdecodeError, require
 
 if TYPE_CHECKING:
     import gguf
-
-# File types the writer makes itself, by their gguf.LlamaFileType names (each tensor's type is
-# the gguf.GGMLQuantizationType of the format's upper-case name); q4_k needs llama.cpp's
-# quantizer (the llama-cpp extra).
-FORMATS = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16", "q8_0": "MOSTLY_Q8_0"}
-LLAMA_CPP_FORMATS = ("q4_k",)
 
 
 def _gguf() -> ModuleType:

@@ -1,10 +1,12 @@
 """Choosing the backend for a model: a Hugging Face directory runs on the native forward where
 it can, else transformers'; a GGUF file runs on llama.cpp's kernels where llama-cpp-python is
-installed, else it is dequantized into the same PyTorch forwards. llama.cpp's module is
-imported only for a GGUF file, so loading a directory never looks for llama-cpp-python."""
+installed, else it is dequantized into the same PyTorch forwards; a model already in memory
+runs as the directory it might have come from would. llama.cpp's module is imported only for a
+GGUF file, so loading a directory never looks for llama-cpp-python."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -23,12 +25,14 @@ from specdecode.backends.hf import (
     load_model_config,
 )
 from specdecode.backends.native import NativeBackend, native_unsupported
+from specdecode.config import BACKENDS
 from specdecode.errors import SpecdecodeError
 
 if TYPE_CHECKING:
     from specdecode.backends.llama_cpp import LlamaCppBackend
 
-BACKENDS = ("auto", "native", "hf", "llama.cpp")
+# A Hugging Face Hub id: owner/name, each a letter or digit, then letters, digits, ".", "_" or "-"
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
 
 
 def load_backend(path: str | Path, options: LoadOptions = LoadOptions()) -> HFBackend | LlamaCppBackend:
@@ -36,8 +40,8 @@ def load_backend(path: str | Path, options: LoadOptions = LoadOptions()) -> HFBa
     forward, "native" the lean Llama-family forward (an error for other models), "llama.cpp"
     llama.cpp's kernels (GGUF files only), "auto" llama.cpp for a GGUF file where it is
     installed, else the native forward where it runs."""
-    if options.backend not in BACKENDS:
-        raise SpecdecodeError(f"unknown backend {options.backend!r} (choose from {', '.join(BACKENDS)})")
+    check_backend_name(options.backend)
+    check_not_hub_id(path)
     path = Path(path)
     if is_gguf(path):
         return _load_gguf(path, options)
@@ -54,6 +58,55 @@ def load_backend(path: str | Path, options: LoadOptions = LoadOptions()) -> HFBa
     return HFBackend.load(directory, options)
 
 
+def backend_from_model(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, options: LoadOptions = LoadOptions()
+) -> HFBackend:
+    """A backend over a transformers model already in memory, chosen as `load_backend` chooses
+    one for a directory (native where it runs, else transformers'), without reading any file.
+    The model runs where it is and in its own dtype: `options.device` and `options.dtype` are
+    for models read from disk."""
+    if not isinstance(model, PreTrainedModel):
+        raise SpecdecodeError(
+            f"cannot run a {type(model).__name__}: give a transformers PreTrainedModel "
+            "(e.g. from AutoModelForCausalLM.from_pretrained), a local model directory or a GGUF file"
+        )
+    if tokenizer is None:
+        raise SpecdecodeError(f"the loaded {type(model).__name__} needs its tokenizer (tokenizer=...)")
+    if not isinstance(tokenizer, PreTrainedTokenizerBase):
+        raise SpecdecodeError(
+            f"the tokenizer must be a transformers tokenizer (e.g. from AutoTokenizer.from_pretrained), "
+            f"not a {type(tokenizer).__name__}"
+        )
+    if model.get_output_embeddings() is None:
+        raise SpecdecodeError(
+            f"the {type(model).__name__} is not a causal language model (it has no LM head): "
+            "load it with AutoModelForCausalLM"
+        )
+    check_backend_name(options.backend)
+    if options.backend == "llama.cpp":
+        raise SpecdecodeError("the llama.cpp backend runs GGUF files, not a model in memory")
+    if options.threads:
+        torch.set_num_threads(options.threads)
+    name = Path(model.name_or_path).name or type(model).__name__
+    return _in_memory(model, tokenizer, options, name, Path(name))
+
+
+def check_backend_name(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise SpecdecodeError(f"unknown backend {backend!r} (choose from {', '.join(BACKENDS)})")
+
+
+def check_not_hub_id(path: str | Path) -> None:
+    """Refuse a Hugging Face Hub id (`owner/name`, not on disk) with how to get the model: nothing
+    here downloads, and "model directory not found" would not say why."""
+    text = str(path)
+    if HUB_ID.fullmatch(text) and not Path(text).exists() and not text.endswith(".gguf"):
+        raise SpecdecodeError(
+            f"{text} is not a local directory or GGUF file: specdecode reads models from disk only; "
+            f"download it first, e.g. `huggingface-cli download {text} --local-dir DIR`, and pass DIR"
+        )
+
+
 def _load_gguf(path: Path, options: LoadOptions) -> HFBackend | LlamaCppBackend:
     from specdecode.backends import llama_cpp as llama_cpp_backend
 
@@ -68,11 +121,23 @@ def _load_gguf(path: Path, options: LoadOptions) -> HFBackend | LlamaCppBackend:
         torch.set_num_threads(options.threads)
     dtype = _resolve_dtype(options.dtype, None, device, False)
     model, tokenizer = load_gguf_model(path, dtype)
-    model = model.to(device)
-    check_loaded_model(model, tokenizer, path)
+    return _in_memory(model.to(device), tokenizer, options, path.stem, path)
+
+
+def _in_memory(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    options: LoadOptions,
+    name: str,
+    where: Path,
+) -> HFBackend:
+    """The native forward over a model in memory where it runs and `options` allow it, else
+    transformers'. where: what the model came from, for messages."""
+    check_loaded_model(model, tokenizer, where)
     reason = native_unsupported(model.config)
     if options.backend == "native" and reason is not None:
-        raise SpecdecodeError(f"{path}: the native backend cannot run this model: {reason}")
+        raise SpecdecodeError(f"{where}: the native backend cannot run this model: {reason}")
+    device = next(model.parameters()).device
     kind = native_kind(options.passes, device) if reason is None and options.backend != "hf" else HFBackend
     return kind(
         model,
@@ -80,7 +145,7 @@ def _load_gguf(path: Path, options: LoadOptions) -> HFBackend | LlamaCppBackend:
         n_ctx=options.n_ctx,
         n_batch=options.n_batch,
         threads=options.threads,
-        name=path.stem,
+        name=name,
         **kind.pass_options(options),
     )
 

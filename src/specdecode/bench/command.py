@@ -11,7 +11,12 @@ specdecode bench --systems plain,draft,draft@adaptive --static-grid 0.3,0.5,0.75
 from __future__ import annotations
 
 import argparse
+import contextlib
+import datetime
+import itertools
 import platform
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -21,6 +26,7 @@ from specdecode.backends.hf import HFBackend, LoadOptions
 from specdecode.backends.load import load_backend
 from specdecode.bench.metrics import summarize
 from specdecode.bench.report import (
+    plot_title,
     policy_lines,
     policy_summary,
     print_tables,
@@ -30,8 +36,8 @@ from specdecode.bench.report import (
     write_outputs,
 )
 from specdecode.bench.suite import Measurement, rounds, run_suite
-from specdecode.bench.systems import System, build_systems, draft_max_systems, static_grid, system_names
-from specdecode.bench.tasks import TASK_NAMES, Task, build_tasks, custom_task
+from specdecode.bench.systems import Run, System, build_systems, draft_max_systems, static_grid, system_names
+from specdecode.bench.tasks import Task, build_tasks, custom_task
 from specdecode.defaults import resolve_eagle3, resolve_models
 from specdecode.errors import SpecdecodeError, read_text_file, require
 from specdecode.generate import check_room
@@ -47,63 +53,6 @@ MODES = {
     "quick": (1, 32, 1, 1, (2, 8)),
     "full": (3, 128, 3, 1, (1, 2, 4, 8, 16)),
 }
-
-
-def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Register `bench` with its own flags; the caller adds the model and n-gram flags it shares
-    with `generate`, and the handler."""
-    parser = subparsers.add_parser(
-        "bench",
-        help="every strategy vs plain generation and vs Hugging Face generate, interleaved, in one run",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    group = parser.add_argument_group("benchmark")
-    group.add_argument("--quick", action="store_true", help="1 prompt per task, 32 tokens, 1 run")
-    group.add_argument("--tasks", default=",".join(TASK_NAMES), help="comma-separated tasks")
-    group.add_argument(
-        "--systems",
-        help="comma-separated systems, a chain's strategies joined by + (ngram-simple+draft), "
-        "@adaptive after a chain for the adaptive policy (draft@adaptive); default: all that the "
-        "models allow, with the classic policy",
-    )
-    group.add_argument("--no-hf", action="store_true", help="leave Hugging Face's generate out")
-    group.add_argument("-p", "--prompt", action="append", help="your own prompt (repeatable): a custom task")
-    group.add_argument("-f", "--file", action="append", help="a file whose text is one custom prompt")
-    group.add_argument("--prompts-per-task", type=int, help="prompts per task (quick 1, full 3)")
-    group.add_argument("-n", "--n-predict", type=int, help="tokens generated per run (quick 32, full 128)")
-    group.add_argument("--runs", type=int, help="measured runs per prompt and system (quick 1, full 3)")
-    group.add_argument("--warmup", type=int, help="uncounted rounds per prompt first (1)")
-    group.add_argument("--draft-max", type=int, default=16, help="max draft tokens")
-    group.add_argument("--draft-min", type=int, default=0, help="drop drafts shorter than this")
-    group.add_argument("--draft-p-min", type=float, default=0.75, help="draft confidence to keep drafting")
-    group.add_argument(
-        "--draft-n-parallel", type=int, default=4, help="draft-tree systems: most branches (4)"
-    )
-    group.add_argument(
-        "--draft-p-split", type=float, default=0.1, help="draft-tree systems: probability that opens a branch"
-    )
-    group.add_argument(
-        "--draft-tree-tokens", type=int, default=8, help="eagle3-tree systems: nodes per dynamic tree (8)"
-    )
-    group.add_argument(
-        "--draft-tree-topk", type=int, default=4, help="eagle3-tree systems: nodes expanded per depth (4)"
-    )
-    group.add_argument(
-        "--sweep",
-        help="comma-separated --draft-max values for the sweep (quick 2,8; full 1,2,4,8,16; 0: none)",
-    )
-    group.add_argument(
-        "--static-grid",
-        metavar="P,...:N,...",
-        help="also run every classic system that drafts with a model at each --draft-p-min P x "
-        "--draft-max N (as NAME@P/N), and report each adaptive system against the best of them",
-    )
-    group.add_argument(
-        "--out", type=Path, default=Path("bench-results"), help="directory for JSON, Markdown, PNG"
-    )
-    group.add_argument("--no-plots", action="store_true", help="write no PNG files")
-    return parser
 
 
 def settings(args: argparse.Namespace) -> dict:
@@ -201,6 +150,7 @@ def run_bench(
     measurements, sweep = _measure(tasks, systems, sweep_systems, target, chosen, console)
     rows = summarize(measurements)
     results = {"settings": chosen, "machine": _machine(target), "systems": [s.name for s in systems]}
+    results["date"] = datetime.date.today().isoformat()
     results |= {"tasks": {t.name: list(t.prompts) for t in tasks}, "rows": rows, "draft_max_sweep": sweep}
     results["policies"] = {
         system.name: policy_summary(system.policy_models)
@@ -221,7 +171,7 @@ def run_bench(
         print(line)
     written = write_outputs(args.out, results, rows, header)
     if not args.no_plots:
-        written += _plots(rows, sweep, args.out)
+        written += _plots(rows, sweep, args.out, plot_title(header, results))
     console.print("wrote " + ", ".join(str(path) for path in written))
 
 
@@ -233,21 +183,14 @@ def _measure(
     chosen: dict,
     console: Console,
 ) -> tuple[list[Measurement], list[dict]]:
-    """The main suite, then the draft-max sweep on the first task's prompts, with one progress bar."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
+    """The main suite, then the draft-max sweep on the first task's prompts, with one progress
+    display (see `_progress`)."""
     per_prompt = len(rounds(systems, chosen["runs"], chosen["warmup"])) * len(systems)
     total = per_prompt * sum(len(t.prompts) for t in tasks)
     if sweep_systems:
         sweep_rounds = len(rounds(sweep_systems, chosen["runs"], chosen["warmup"]))
         total += sweep_rounds * len(sweep_systems) * len(tasks[0].prompts)
-    columns = (TextColumn("{task.description:<40}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
-    with Progress(*columns, console=console, transient=True) as progress:
-        bar = progress.add_task("warming up", total=total)
-
-        def advance(label: str) -> None:
-            progress.update(bar, advance=1, description=label)
-
+    with _progress(console, total) as advance:
         measured = run_suite(
             tasks, systems, target.tokenize, chosen["n_predict"], chosen["runs"], chosen["warmup"], advance
         )
@@ -272,6 +215,27 @@ def _measure(
     return measured, sweep
 
 
+@contextlib.contextmanager
+def _progress(console: Console, total: int) -> Iterator[Callable[[str, Run], None]]:
+    """What to call after each run: on a terminal, a bar that vanishes when the suite ends;
+    elsewhere (a log, CI), one plain line per run on stderr, which a bar would not leave."""
+    if not console.is_terminal:
+        done = itertools.count(1)
+
+        def line(label: str, run: Run) -> None:
+            speed = len(run.tokens) / run.seconds
+            print(f"bench: [{next(done)}/{total}] {label}: {speed:.1f} tok/s", file=sys.stderr, flush=True)
+
+        yield line
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    columns = (TextColumn("{task.description:<56}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+    with Progress(*columns, console=console, transient=True) as progress:
+        bar = progress.add_task("warming up", total=total)
+        yield lambda label, run: progress.update(bar, advance=1, description=label)
+
+
 def _stdout_console() -> Console:
     """The tables' console: a terminal's own width, or wide enough for every column in a file."""
     from rich.console import Console
@@ -280,15 +244,15 @@ def _stdout_console() -> Console:
     return console if console.is_terminal else Console(width=200)
 
 
-def _plots(rows: list[dict], sweep: list[dict], out: Path) -> list[Path]:
+def _plots(rows: list[dict], sweep: list[dict], out: Path, title: str) -> list[Path]:
     from specdecode.bench import plots  # matplotlib
 
     written = [
-        plots.speedup_by_task(rows, out / "speedup_by_task.png"),
-        plots.acceptance_by_position(rows, out / "acceptance_by_position.png"),
+        plots.speedup_by_task(rows, out / "speedup_by_task.png", title),
+        plots.acceptance_by_position(rows, out / "acceptance_by_position.png", title),
     ]
     if sweep:
-        written.append(plots.speedup_vs_draft_max(sweep, out / "speedup_vs_draft_max.png"))
+        written.append(plots.speedup_vs_draft_max(sweep, out / "speedup_vs_draft_max.png", title))
     return written
 
 
@@ -297,7 +261,19 @@ def _machine(target: HFBackend) -> dict:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "processor": platform.processor() or platform.machine(),
+        "cpu": _cpu_model(),
         "threads": torch.get_num_threads(),
         "device": str(target.device),
+        "gpu": torch.cuda.get_device_name(target.device) if target.device.type == "cuda" else None,
         "row_invariant": getattr(target, "invariant", None),  # native: by its plans; llama.cpp: probed
     }
+
+
+def _cpu_model() -> str:
+    """The CPU's model name (Linux's /proc/cpuinfo), else what `platform` knows."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                return value.strip()
+    return platform.processor() or platform.machine()

@@ -21,7 +21,6 @@ import argparse
 import json
 import statistics
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from specdecode.api import Pipeline
 from specdecode.backends.hf import LoadOptions
@@ -34,7 +33,6 @@ from specdecode.generate import GenerationConfig
 from specdecode.sampling import SamplingParams
 from specdecode.strategies import DraftModelConfig, parse_spec_types
 
-SYSTEMS = ("plain", "forced", "ngram-simple,ngram-mod", "draft", "ngram-simple,ngram-mod,draft")
 FACTS = {
     "type": "object",
     "properties": {
@@ -126,27 +124,6 @@ class Totals:
     grammar: float = 0.0
     masks: int = 0
     rates: list[float] = field(default_factory=list)  # tokens/s of each generation
-
-
-def add_bench_constrained_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "bench-constrained",
-        help="structured output (JSON extraction, function calls): constrained plain vs speculative",
-    )
-    parser.set_defaults(handler=run)
-    parser.add_argument("-m", "--model", type=Path, help="target directory (default: the bundled target)")
-    parser.add_argument(
-        "-md", "--model-draft", type=Path, help="draft directory (default: the bundled draft)"
-    )
-    parser.add_argument("-t", "--threads", type=int, default=1, help="CPU threads")
-    parser.add_argument("-n", "--n-predict", type=int, default=160, help="token limit of an answer")
-    parser.add_argument("--prompts-per-task", type=int, default=3)
-    parser.add_argument("--runs", type=int, default=2, help="timed rounds (after one warm-up round)")
-    parser.add_argument("--draft-max", type=int, default=16)
-    parser.add_argument("--draft-p-min", type=float, default=0.75)
-    parser.add_argument(
-        "--systems", default=";".join(SYSTEMS), help="';'-separated --spec-type values ('plain': none)"
-    )
 
 
 def run(args: argparse.Namespace) -> None:

@@ -20,15 +20,6 @@ from specdecode.sampling import SamplingParams
 from specdecode.strategies import AVAILABLE, NgramSettings, SharedState, SpecSetup, build_strategies
 
 
-def add_bench_draft_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("bench-draft", help="time the model-free strategies' drafting, no model")
-    parser.set_defaults(handler=run)
-    parser.add_argument("--history", type=int, default=32768, help="tokens of history before timing")
-    parser.add_argument("--calls", type=int, default=500, help="timed draft calls per strategy")
-    parser.add_argument("--vocab", type=int, default=4096, help="token ids are drawn from [0, vocab)")
-    parser.add_argument("--seed", type=int, default=0)
-
-
 def synthetic_history(length: int, vocab: int, rng: np.random.Generator) -> list[int]:
     """Random tokens where every other block of 256 repeats an earlier block."""
     tokens = rng.integers(0, vocab, size=length)

@@ -16,10 +16,9 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from pathlib import Path
 
-from specdecode.backends.hf import DTYPES, HFBackend, LoadOptions
-from specdecode.backends.load import BACKENDS, load_backend
+from specdecode.backends.hf import HFBackend, LoadOptions
+from specdecode.backends.load import load_backend
 from specdecode.backends.native import NativeBackend
 from specdecode.defaults import resolve_models
 
@@ -27,23 +26,6 @@ ROWS = (1, 2, 3, 5, 9, 17)
 PROMPT = (
     "import os\n\n\ndef read_lines(path):\n    with open(path) as handle:\n        return handle.read()\n" * 4
 )
-
-
-def add_bench_passes_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "bench-passes", help="time forward passes of 1..17 rows (chains and trees), per backend"
-    )
-    parser.set_defaults(handler=run)
-    parser.add_argument("-m", "--model", type=Path, help="target directory (default: the bundled target)")
-    parser.add_argument(
-        "-md", "--model-draft", type=Path, help="draft directory (default: the bundled draft)"
-    )
-    parser.add_argument(
-        "--backend", default="auto", choices=BACKENDS, help="the backend compared with hf float32"
-    )
-    parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help="its dtype")
-    parser.add_argument("-t", "--threads", type=int, default=1, help="CPU threads (default 1)")
-    parser.add_argument("--reps", type=int, default=30, help="timed passes per row count")
 
 
 def pass_times(backend: HFBackend, rows: tuple[int, ...], reps: int, tree: bool = False) -> dict[int, float]:

@@ -47,34 +47,7 @@ from specdecode.strategies import DraftModelConfig
 if TYPE_CHECKING:
     from rich.table import Table
 
-DEFAULT_SYSTEMS = (
-    "threads,batched,batched:draft,batched:draft@adaptive,batched:ngram-mod,batched:ngram-mod@adaptive"
-)
 GREEDY = SamplingParams(temperature=0)
-
-
-def add_bench_serve_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "bench-serve",
-        help="throughput and p50/p99 latency at several concurrencies: per-request threads vs batching",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    parser.set_defaults(handler=run)
-    parser.add_argument("-m", "--model", type=Path, help="target directory (default: the bundled target)")
-    parser.add_argument(
-        "-md", "--model-draft", type=Path, help="draft directory (default: the bundled draft)"
-    )
-    parser.add_argument("--systems", default=DEFAULT_SYSTEMS, help="comma-separated; see the module doc")
-    parser.add_argument("--concurrency", default="1,2,4,8,16,32", help="client counts")
-    parser.add_argument("--requests", type=int, default=2, help="requests per client at each concurrency")
-    parser.add_argument("-n", "--n-predict", type=int, default=64, help="tokens per request")
-    parser.add_argument("--prompts", type=int, default=16, help="distinct prompts (completion task)")
-    parser.add_argument("--draft-max", type=int, default=16)
-    parser.add_argument("--draft-p-min", type=float, default=0.75)
-    parser.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: torch's)")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--out", type=Path, default=Path("build/bench-serve"), help="results directory")
 
 
 @dataclass

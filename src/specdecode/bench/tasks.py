@@ -24,11 +24,11 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from specdecode.bench.flags import TASK_NAMES
 from specdecode.errors import SpecdecodeError, read_text_file
 from specdecode.sampling import SamplingParams
 from specdecode.train.corpus import corpus_files, split_files, stdlib_root
 
-TASK_NAMES = ("completion", "editing", "extraction", "free", "free-t1")
 TEMPERATURES = {"free-t1": 1.0}  # tasks sampled rather than greedy
 MAX_FUNCTION_CHARS = 900  # keeps prompt + answer inside the 512 positions the bundled pair trained on
 MIN_FUNCTION_LINES = 6

@@ -17,7 +17,7 @@ import json
 import sys
 from pathlib import Path
 
-from specdecode.backends.gguf_files import FORMATS, LLAMA_CPP_FORMATS, export_gguf
+from specdecode.backends.gguf_files import export_gguf
 from specdecode.backends.hf import LoadOptions, load_model_config
 from specdecode.backends.load import load_backend
 from specdecode.defaults import resolve_eagle3, resolve_models
@@ -30,9 +30,8 @@ from specdecode.export.engines import (
     write_sglang,
     write_speculators,
 )
+from specdecode.export.flags import ENGINES
 from specdecode.strategies.eagle3_checkpoint import load_head
-
-ENGINES = ("vllm", "sglang", "llama.cpp")
 
 
 def parse_engines(text: str) -> list[str]:
@@ -105,43 +104,3 @@ def run_export(args: argparse.Namespace) -> None:
     else:
         print("\n".join(lines))
     print(f"exported to {out}", file=sys.stderr)
-
-
-def add_export_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "export",
-        help="the target with its draft and EAGLE-3 head for vLLM, SGLang and llama.cpp, and the commands "
-        "that serve them",
-    )
-    parser.add_argument("-m", "--model", type=Path, help="target directory (default: the bundled pair)")
-    parser.add_argument("-md", "--model-draft", type=Path, help="draft model directory")
-    parser.add_argument(
-        "-me",
-        "--model-eagle3",
-        type=Path,
-        help="EAGLE-3 head directory (default with the bundled target: its head)",
-    )
-    parser.add_argument("--out", type=Path, required=True, help="output directory")
-    parser.add_argument(
-        "--engines",
-        default=",".join(ENGINES),
-        help=f"comma-separated, from {', '.join(ENGINES)} (default: all)",
-    )
-    parser.add_argument(
-        "--draft-max", type=int, default=3, help="tokens drafted per step in the commands written (default 3)"
-    )
-    parser.add_argument(
-        "--gguf-type",
-        choices=[*FORMATS, *LLAMA_CPP_FORMATS],
-        default="f32",
-        help="GGUF weight type of the target and draft (default f32; q4_k: llama.cpp's quantizer, "
-        "from the llama-cpp extra); the head is written in f32 when quantized types are asked",
-    )
-    parser.add_argument(
-        "--eagle3-layer-offset",
-        type=int,
-        metavar="N",
-        help="as for generate: how the head's layer ids are read",
-    )
-    parser.add_argument("--json", action="store_true", help="print the commands as JSON")
-    parser.set_defaults(handler=run_export)

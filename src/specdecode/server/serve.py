@@ -34,16 +34,20 @@ def listen(host: str, port: int) -> socket.socket:
         raise SpecdecodeError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
 
 
+def address(sock: socket.socket) -> str:
+    """The URL a listening socket serves."""
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 def banner(sock: socket.socket, pipeline: Pipeline, settings: ServerSettings) -> str:
     """The one start-up line: where, what, how."""
-    host, port = sock.getsockname()[:2]
-    address = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
     draft = getattr(pipeline.draft, "name", None)
     models = f"{settings.model_id}" + (f" + draft {draft}" if draft else "")
     strategies = ",".join(pipeline.spec_types) or "none"
     key = "API key required" if settings.api_key else "no API key"
     return (
-        f"specdecode serve: listening on {address}  model {models}  strategies {strategies}  "
+        f"specdecode serve: listening on {address(sock)}  model {models}  strategies {strategies}  "
         f"{settings.parallel} slots  {key}"
     )
 

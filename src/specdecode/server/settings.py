@@ -11,8 +11,8 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from specdecode.config import SamplingParams
 from specdecode.errors import SpecdecodeError
-from specdecode.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from specdecode.api import Pipeline
@@ -22,7 +22,8 @@ if TYPE_CHECKING:
 class ServerSettings:
     model_id: str  # the name /v1/models lists and requests may give as "model"
     parallel: int = 4  # slots: generations running at once; more requests wait in a queue
-    sampling: SamplingParams = SamplingParams()  # for the fields a request leaves out
+    # for the fields a request leaves out: llama-server's, temperature 0.8 (the library's is greedy)
+    sampling: SamplingParams = SamplingParams(temperature=0.8)
     verify: str = "match"
     max_tokens: int = 2048  # the most a request may ask for; also the default when it asks nothing
     max_body_bytes: int = 4 * 1024 * 1024

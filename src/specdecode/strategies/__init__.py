@@ -1,9 +1,9 @@
 """Strategies and how the chain builds them: names, priority and construction.
 
-PRIORITY is llama.cpp's fixed order, cheapest first; the chain instantiates the enabled
-strategies in this order whatever order they were named in. A strategy is built from a
-`SpecSetup`, which carries everything any strategy may need, so adding one never changes
-the loop or the chain.
+PRIORITY (in `specdecode.config`, with the names) is llama.cpp's fixed order, cheapest first;
+the chain instantiates the enabled strategies in this order whatever order they were named in.
+A strategy is built from a `SpecSetup`, which carries everything any strategy may need, so
+adding one never changes the loop or the chain.
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from specdecode.backends import Backend
+from specdecode.config import PRIORITY, NgramSettings, parse_spec_types
 from specdecode.errors import SpecdecodeError
 from specdecode.sampling import Sampler, SamplingParams
 from specdecode.strategies.base import Draft, Strategy
@@ -30,32 +30,6 @@ from specdecode.vocab import VocabTranslator
 if TYPE_CHECKING:
     from specdecode.constraints import Constraint
     from specdecode.strategies.eagle3_head import Eagle3Head
-
-# `forced` (constrained generation only) comes last: a drafting model's masked draft already
-# holds the forced tokens and goes on past them; an n-gram draft cut to nothing falls to it.
-PRIORITY = (
-    "ngram-simple",
-    "ngram-map-k",
-    "ngram-map-k4v",
-    "ngram-mod",
-    "ngram-cache",
-    "draft",
-    "eagle3",
-    "forced",
-)
-
-
-@dataclass(frozen=True)
-class NgramSettings:
-    """Settings of the model-free strategies (llama.cpp's defaults)."""
-
-    simple: NgramMapConfig = field(default_factory=NgramMapConfig)
-    map_k: NgramMapConfig = field(default_factory=NgramMapConfig)
-    map_k4v: NgramMapConfig = field(default_factory=NgramMapConfig)
-    mod: NgramModConfig = field(default_factory=NgramModConfig)
-    cache_static: Path | None = None  # -lcs: read once
-    cache_dynamic: Path | None = None  # -lcd: read once, updated and saved after each generation
-
 
 class SharedState:
     """What outlives a generation and is shared by all of them: the ngram-mod pool and the
@@ -102,7 +76,7 @@ def _draft_sampler(setup: SpecSetup, stream: int) -> Sampler | None:
 
 def _build_draft_model(setup: SpecSetup) -> Strategy:
     if setup.draft_backend is None or setup.target is None:
-        raise SpecdecodeError("--spec-type draft needs a draft model (-md DIR)")
+        raise SpecdecodeError("--spec-type draft-simple needs a draft model (-md DIR)")
     sampler = _draft_sampler(setup, 1)
     return DraftModelStrategy(
         setup.draft_backend,
@@ -116,7 +90,7 @@ def _build_draft_model(setup: SpecSetup) -> Strategy:
 
 def _build_eagle3(setup: SpecSetup) -> Strategy:
     if setup.eagle3_head is None or setup.target is None:
-        raise SpecdecodeError("--spec-type eagle3 needs an EAGLE-3 head (-me DIR)")
+        raise SpecdecodeError("--spec-type draft-eagle3 needs an EAGLE-3 head (-me DIR)")
     return Eagle3Strategy(
         setup.eagle3_head, setup.target, setup.draft, _draft_sampler(setup, 2), setup.constraint
     )
@@ -183,22 +157,8 @@ FACTORIES: dict[str, Callable[[SpecSetup], Strategy]] = {
     "eagle3": _build_eagle3,
     "forced": _build_forced,
 }
-assert set(FACTORIES) <= set(PRIORITY), "every strategy needs its place in PRIORITY"
+assert set(FACTORIES) == set(PRIORITY), "every strategy needs its place in PRIORITY, and every name a factory"
 AVAILABLE = tuple(name for name in PRIORITY if name in FACTORIES)
-
-
-def parse_spec_types(text: str) -> list[str]:
-    """A comma-separated list of strategy names -> the enabled names in priority order.
-
-    "none" anywhere disables speculation, as in llama.cpp.
-    """
-    names = [name.strip() for name in text.split(",") if name.strip()]
-    for name in names:
-        if name != "none" and name not in FACTORIES:
-            raise SpecdecodeError(f"unknown --spec-type {name!r} (choose from: none, {', '.join(AVAILABLE)})")
-    if "none" in names:
-        return []
-    return [name for name in PRIORITY if name in names]
 
 
 def build_strategies(names: list[str], setup: SpecSetup) -> list[Strategy]:

@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from specdecode.backends import Backend, evaluate_continuation
+from specdecode.config import DraftModelConfig
 from specdecode.errors import SpecdecodeError
 from specdecode.sampling import Sampler, distribution
 from specdecode.strategies.base import Draft, KeepDrafting, path_to
@@ -41,41 +41,6 @@ if TYPE_CHECKING:
 
 CONFIDENCE_TOP_K = 10
 SPLIT_RANKS = 8  # candidates a node may branch into: the top one and ranks 1..7 (llama.cpp)
-
-
-@dataclass(frozen=True)
-class DraftModelConfig:
-    """Classic llama.cpp defaults: n_max 16, n_min 0, p_min 0.75, p_split 0.1.
-
-    Trees: `n_parallel` > 1 lets the draft model branch (llama.cpp's p_split scheme: a
-    candidate other than the top one whose probability exceeds p_split opens a branch, up to
-    n_parallel branches); `tree_tokens` > 0 makes an EAGLE-3 head draft an EAGLE-2 dynamic tree
-    of that many nodes, expanding the `tree_topk` best nodes per depth by path probability.
-    """
-
-    n_max: int = 16
-    n_min: int = 0
-    p_min: float = 0.75
-    p_split: float = 0.1
-    n_parallel: int = 1
-    tree_tokens: int = 0
-    tree_topk: int = 4
-
-    def __post_init__(self) -> None:
-        if self.n_max < 1:
-            raise SpecdecodeError("--draft-max must be >= 1")
-        if self.n_min < 0:
-            raise SpecdecodeError("--draft-min must be >= 0")
-        if not 0.0 <= self.p_min <= 1.0:
-            raise SpecdecodeError("--draft-p-min must be in [0, 1]")
-        if not 0.0 <= self.p_split <= 1.0:
-            raise SpecdecodeError("--draft-p-split must be in [0, 1]")
-        if self.n_parallel < 1:
-            raise SpecdecodeError("--draft-n-parallel must be >= 1")
-        if self.tree_tokens < 0:
-            raise SpecdecodeError("--draft-tree-tokens must be >= 0 (0: a chain)")
-        if self.tree_topk < 1:
-            raise SpecdecodeError("--draft-tree-topk must be >= 1")
 
 
 def top1_confidence(logits: torch.Tensor) -> float:

@@ -19,10 +19,10 @@ generation uses 5 drafts below a quarter).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
+from specdecode.config import NgramModConfig
 from specdecode.errors import SpecdecodeError
 from specdecode.strategies.base import Draft
 
@@ -34,17 +34,6 @@ LAZY_INDEX_STEP = 32  # the newest tokens are indexed only once this many have p
 RESET_OCCUPANCY = 0.25
 LOW_ACCEPTANCE = 0.5  # classic; newer: 0.25
 LOW_STREAK = 3  # classic; newer: 5
-
-
-@dataclass(frozen=True)
-class NgramModConfig:
-    n_match: int = 24
-    n_min: int = 48
-    n_max: int = 64
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.n_match <= 1024 or not 0 <= self.n_min <= 1024 or not 0 <= self.n_max <= 1024:
-            raise SpecdecodeError("ngram-mod n-match must be in 1..1024, n-min and n-max in 0..1024")
 
 
 class NgramModPool:

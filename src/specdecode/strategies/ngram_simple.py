@@ -15,26 +15,9 @@ and grows with the history, so a draft costs O(new tokens).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
-from specdecode.errors import SpecdecodeError
+from specdecode.config import NgramMapConfig
 from specdecode.strategies.base import Draft
-
-
-@dataclass(frozen=True)
-class NgramMapConfig:
-    """llama.cpp's `common_params_speculative_ngram_map`: key n-gram size, value m-gram size,
-    and (ngram-map-k4v only) how many lookups must hit a key before it drafts."""
-
-    size_n: int = 12
-    size_m: int = 48
-    min_hits: int = 1
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.size_n <= 1024 or not 1 <= self.size_m <= 1024:
-            raise SpecdecodeError("n-gram size-n and size-m must be in 1..1024")
-        if self.min_hits < 1:
-            raise SpecdecodeError("n-gram min-hits must be >= 1")
 
 
 class NgramSimpleStrategy:

@@ -1,4 +1,5 @@
-"""`specdecode train tokenizer|target|draft|eagle3`: the command line over the training modules.
+"""`specdecode train tokenizer|target|draft|eagle3`: the command line over the training modules
+(its flags are in `specdecode.train.flags`).
 
 The default corpus is the Python standard library's train split (see `corpus`); `--data`
 trains on your own text or code instead (a file, or a directory of files). Token streams
@@ -25,14 +26,7 @@ from specdecode.backends.hf import load_tokenizer
 from specdecode.errors import SpecdecodeError
 from specdecode.train import distributed
 from specdecode.train.corpus import corpus_files, encode_files, split_files, stdlib_root
-from specdecode.train.eagle3 import (
-    EAGLE3_SHAPE,
-    NEW_TOKENS,
-    PREFIX_TOKENS,
-    HeadShape,
-    calibrate_saved_head,
-    train_eagle3,
-)
+from specdecode.train.eagle3 import HeadShape, calibrate_saved_head, train_eagle3
 from specdecode.train.lm import DRAFT_SHAPE, TARGET_SHAPE, TrainConfig, train_draft, train_target
 from specdecode.train.tokenizer import train_tokenizer
 
@@ -180,86 +174,3 @@ def distributed_entry(handler: Callable[[argparse.Namespace], None]) -> Callable
             raise SpecdecodeError(f"training in {args.nproc} processes failed (exit status {status})")
 
     return run
-
-
-def add_training_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("training (defaults: TrainConfig)")
-    group.add_argument(
-        "--nproc",
-        type=int,
-        default=1,
-        help="data-parallel processes under torchrun (gloo on CPUs, NCCL with one GPU each); "
-        "--batch-size is the global batch (default 1)",
-    )
-    group.add_argument("--data", type=Path, help="a text file or a directory of files (default: the stdlib)")
-    for field in fields(TrainConfig):
-        flag = "--" + field.name.replace("_", "-")
-        kind = int if field.default is None else type(field.default)  # None: optional int (threads)
-        group.add_argument(flag, type=kind, help=f"default {field.default}")
-
-
-def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
-    train = subparsers.add_parser(
-        "train", help="train a tokenizer, a target, or a draft or EAGLE-3 head for any target"
-    )
-    commands = train.add_subparsers(dest="train_command", required=True)
-
-    tok = commands.add_parser("tokenizer", help="byte-level BPE on the corpus")
-    tok.add_argument("--out", type=Path, required=True, help="output directory (Hugging Face format)")
-    tok.add_argument("--vocab-size", type=int, default=8192)
-    tok.add_argument("--data", type=Path, help="a text file or a directory of files (default: the stdlib)")
-    tok.set_defaults(handler=run_tokenizer)
-
-    target = commands.add_parser("target", help="a Llama target from scratch (resumes from --out)")
-    target.add_argument("--tokenizer", type=Path, required=True, help="tokenizer directory")
-    target.add_argument("--out", type=Path, required=True, help="output model directory")
-    add_training_args(target)
-    target.set_defaults(handler=distributed_entry(run_target))
-
-    draft = commands.add_parser("draft", help="distill a small draft from any local target (resumes)")
-    draft.add_argument("--target", type=Path, required=True, help="target model directory")
-    draft.add_argument("--out", type=Path, required=True, help="output model directory")
-    add_training_args(draft)
-    draft.set_defaults(handler=distributed_entry(run_draft))
-
-    eagle3 = commands.add_parser(
-        "eagle3", help="an EAGLE-3 head for any local target, with the training-time test (resumes)"
-    )
-    eagle3.add_argument("--target", type=Path, required=True, help="target model directory")
-    eagle3.add_argument("--out", type=Path, required=True, help="output head directory")
-    eagle3.add_argument(
-        "--calibrate-only",
-        action="store_true",
-        help="no training: fit the confidence scale of the head in --out for the target and save it "
-        "there (on --calibration-windows windows of --seq-len tokens, --unroll steps)",
-    )
-    head = eagle3.add_argument_group("head")
-    d = EAGLE3_SHAPE
-    head.add_argument("--heads", type=int, default=d.heads, help=f"attention heads (default {d.heads})")
-    head.add_argument(
-        "--kv-heads", type=int, default=d.kv_heads, help=f"key/value heads (default {d.kv_heads})"
-    )
-    head.add_argument(
-        "--intermediate", type=int, default=d.intermediate, help=f"MLP width (default {d.intermediate})"
-    )
-    head.add_argument(
-        "--draft-vocab",
-        type=int,
-        default=d.draft_vocab,
-        help=f"draft vocabulary: the most frequent target ids of the data (default {d.draft_vocab})",
-    )
-    head.add_argument(
-        "--unroll", type=int, default=d.unroll, help=f"training-time-test steps (default {d.unroll})"
-    )
-    head.add_argument("--layer-ids", help="target layers read, comma-separated (default 2,L/2,L-3)")
-    eagle3.add_argument(
-        "--generated-tokens",
-        type=int,
-        default=0,
-        metavar="N",
-        help="self-distillation: train on N tokens the target writes greedily after "
-        f"{PREFIX_TOKENS}-token corpus prefixes ({NEW_TOKENS} per prefix; kept in --out), "
-        "not on the corpus (default 0: the corpus)",
-    )
-    add_training_args(eagle3)
-    eagle3.set_defaults(handler=distributed_entry(run_eagle3))

@@ -113,27 +113,6 @@ def acceptance(pipeline: Pipeline, prompts: Sequence[str], n_predict: int = 64) 
     }
 
 
-def add_eval_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Register `eval`; its `handler` is called by cli.main."""
-    parser = subparsers.add_parser(
-        "eval",
-        help="perplexity and draft acceptance on the held-out split of the corpus",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    parser.add_argument("-m", "--model", type=Path, help="target model directory (default: the bundled pair)")
-    parser.add_argument("-md", "--model-draft", type=Path, help="draft model directory (adds acceptance)")
-    parser.add_argument("--draft-max", type=int, default=8, help="max draft tokens")
-    parser.add_argument("--draft-p-min", type=float, default=0.75, help="draft confidence to keep drafting")
-    parser.add_argument("--prompts", type=int, default=16, help="held-out prompts for acceptance")
-    parser.add_argument("-n", "--n-predict", type=int, default=64, help="tokens generated per prompt")
-    parser.add_argument("--window", type=int, default=512, help="tokens per perplexity window")
-    parser.add_argument("--max-tokens", type=int, default=65536, help="held-out tokens scored")
-    parser.add_argument("--corpus", type=Path, help="corpus root (default: this Python's stdlib)")
-    parser.add_argument("--json", type=Path, metavar="FILE", help="also write the numbers to FILE")
-    parser.set_defaults(handler=run_eval)
-    return parser
-
-
 def run_eval(args: argparse.Namespace) -> None:
     args.model, args.model_draft = resolve_models(args.model, args.model_draft)
     target = HFBackend.load(args.model)

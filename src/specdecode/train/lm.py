@@ -43,13 +43,10 @@ from specdecode.backends.hf import HFBackend, LoadOptions
 from specdecode.errors import SpecdecodeError
 from specdecode.train import distributed
 from specdecode.train.calibrate import calibrate_draft
+from specdecode.train.config import SAVE_DTYPE_NAMES, TrainConfig
 
 HARD_LOSS_WEIGHT = 0.1  # share of plain next-token cross-entropy in the distillation loss
-SAVE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
-# "bf16": matmuls under bfloat16 autocast (fp32 master weights and optimizer state), about twice
-# as fast as fp32 on GPUs and on CPUs with AVX512-BF16 or AMX; "fp32" for CPUs without them.
-PRECISIONS = ("bf16", "fp32")
-DEVICES = ("cpu", "cuda", "auto")
+SAVE_DTYPES = {name: getattr(torch, name) for name in SAVE_DTYPE_NAMES}
 CHECKPOINT_FILE = "checkpoint/state.pt"
 LOG_FILE = "train_log.json"
 # TrainConfig fields that may change between a run and its resumption.
@@ -109,50 +106,6 @@ def llama_config(
         pad_token_id=pad_id,
         tie_word_embeddings=shape.tie_embeddings,
     )
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    steps: int = 20_000
-    batch_size: int = 32
-    seq_len: int = 256
-    lr: float = 1e-3
-    min_lr: float = 1e-4
-    warmup_steps: int = 500
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0
-    seed: int = 0
-    device: str = "auto"  # "cpu", "cuda" or "auto" (cuda when available)
-    checkpoint_every: int = 500
-    save_dtype: str = "bfloat16"
-    precision: str = "bf16"
-    distill_temperature: float = 1.0
-    threads: int | None = None  # torch intra-op threads; None leaves torch's setting alone
-    calibration_windows: int = 32  # drafts, heads: training windows that fit the confidence scale (0: none)
-
-    def __post_init__(self) -> None:
-        if self.calibration_windows < 0:
-            raise SpecdecodeError(f"calibration_windows must be >= 0, not {self.calibration_windows}")
-        positive = ("steps", "batch_size", "seq_len", "checkpoint_every")
-        for name in positive:
-            if getattr(self, name) < 1:
-                raise SpecdecodeError(f"{name} must be >= 1, not {getattr(self, name)}")
-        if not 0 <= self.min_lr <= self.lr:
-            raise SpecdecodeError(f"need 0 <= min_lr <= lr (lr {self.lr}, min_lr {self.min_lr})")
-        if self.warmup_steps < 0 or self.weight_decay < 0 or self.grad_clip <= 0:
-            raise SpecdecodeError("warmup_steps and weight_decay must be >= 0 and grad_clip > 0")
-        if self.distill_temperature <= 0:
-            raise SpecdecodeError(f"distill_temperature must be > 0, not {self.distill_temperature}")
-        if self.device not in DEVICES:
-            raise SpecdecodeError(f"unknown device {self.device!r} (choose from {', '.join(DEVICES)})")
-        if self.save_dtype not in SAVE_DTYPES:
-            raise SpecdecodeError(
-                f"save_dtype must be one of {', '.join(SAVE_DTYPES)}, not {self.save_dtype!r}"
-            )
-        if self.precision not in PRECISIONS:
-            raise SpecdecodeError(f"precision must be one of {', '.join(PRECISIONS)}, not {self.precision!r}")
-        if self.threads is not None and self.threads < 1:
-            raise SpecdecodeError(f"threads must be >= 1, not {self.threads}")
 
 
 def sample_batch(

@@ -1,0 +1,228 @@
+"""The benchmarks' flags: `specdecode bench`, `bench-draft`, `bench-passes`, `bench-serve` and
+`bench-constrained`.
+
+Kept apart from the benchmarks themselves, which import torch: building the command line (and
+answering --help or a mistyped flag) imports nothing heavy. Each handler imports its
+benchmark when it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from specdecode.config import BACKENDS, DTYPE_NAMES, DraftModelConfig
+
+TASK_NAMES = ("completion", "editing", "extraction", "free", "free-t1")
+SERVE_SYSTEMS = (
+    "threads,batched,batched:draft,batched:draft@adaptive,batched:ngram-mod,batched:ngram-mod@adaptive"
+)
+CONSTRAINED_SYSTEMS = ("plain", "forced", "ngram-simple,ngram-mod", "draft", "ngram-simple,ngram-mod,draft")
+DRAFTING = DraftModelConfig()  # llama.cpp's classic drafting defaults
+
+BENCH_EXAMPLES = """\
+examples:
+  specdecode bench --quick              # the bundled pair, 1 prompt per task, under 2 minutes
+  specdecode bench --out bench-results  # the full suite: 3 prompts per task, 128 tokens, 3 runs
+  specdecode bench -m TARGET -md DRAFT --systems plain,draft,hf-plain,hf-assisted
+  specdecode bench --systems plain,draft,draft@adaptive --static-grid 0.3,0.5,0.75:4,8,16"""
+
+
+def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register `bench` with its own flags; the caller adds the model and n-gram flags it shares
+    with `generate`, and the handler."""
+    parser = subparsers.add_parser(
+        "bench",
+        help="every strategy vs plain generation and vs Hugging Face generate, interleaved, in one run",
+        usage="%(prog)s [--quick] [options]",
+        description="Every strategy against plain generation and against Hugging Face's generate,\n"
+        "interleaved, in one run: JSON, Markdown and plots in --out.",
+        epilog=BENCH_EXAMPLES,
+    )
+    group = parser.add_argument_group("benchmark")
+    group.add_argument("--quick", action="store_true", help="1 prompt per task, 32 tokens, 1 run")
+    group.add_argument("--tasks", default=",".join(TASK_NAMES), help="comma-separated tasks")
+    group.add_argument(
+        "--systems",
+        help="comma-separated systems, a chain's strategies joined by + (ngram-simple+draft), "
+        "@adaptive after a chain for the adaptive policy (draft@adaptive); default: all that the "
+        "models allow, with the classic policy",
+    )
+    group.add_argument("--no-hf", action="store_true", help="leave Hugging Face's generate out")
+    group.add_argument("-p", "--prompt", action="append", help="your own prompt (repeatable): a custom task")
+    group.add_argument("-f", "--file", action="append", help="a file whose text is one custom prompt")
+    group.add_argument("--prompts-per-task", type=int, help="prompts per task (quick 1, full 3)")
+    group.add_argument("-n", "--n-predict", type=int, help="tokens generated per run (quick 32, full 128)")
+    group.add_argument("--runs", type=int, help="measured runs per prompt and system (quick 1, full 3)")
+    group.add_argument("--warmup", type=int, help="uncounted rounds per prompt first (default: 1)")
+    add_drafting_args(group, DRAFTING.n_max, DRAFTING.p_min)
+    group.add_argument(
+        "--spec-draft-n-min",
+        "--draft-min",
+        dest="draft_min",
+        type=int,
+        default=DRAFTING.n_min,
+        help="drop drafts shorter than this",
+    )
+    group.add_argument("--draft-n-parallel", type=int, default=4, help="draft-tree systems: most branches")
+    group.add_argument(
+        "--spec-draft-p-split",
+        "--draft-p-split",
+        dest="draft_p_split",
+        type=float,
+        default=DRAFTING.p_split,
+        help="draft-tree systems: probability that opens a branch",
+    )
+    group.add_argument(
+        "--draft-tree-tokens", type=int, default=8, help="eagle3-tree systems: nodes per dynamic tree"
+    )
+    group.add_argument(
+        "--draft-tree-topk",
+        type=int,
+        default=DRAFTING.tree_topk,
+        help="eagle3-tree systems: nodes expanded per depth",
+    )
+    group.add_argument(
+        "--sweep",
+        help="comma-separated --spec-draft-n-max values for the sweep (quick 2,8; full 1,2,4,8,16; "
+        "0: none)",
+    )
+    group.add_argument(
+        "--static-grid",
+        metavar="P,...:N,...",
+        help="also run every classic system that drafts with a model at each --spec-draft-p-min P x "
+        "--spec-draft-n-max N (as NAME@P/N), and report each adaptive system against the best of them",
+    )
+    group.add_argument(
+        "--out", type=Path, default=Path("bench-results"), help="directory for JSON, Markdown, PNG"
+    )
+    group.add_argument("--no-plots", action="store_true", help="write no PNG files")
+    return parser
+
+
+def add_drafting_args(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup, n_max: int, p_min: float
+) -> None:
+    """--spec-draft-n-max and --spec-draft-p-min (llama.cpp's names; --draft-max and --draft-p-min,
+    its older ones, as aliases), with the defaults of the benchmark that takes them."""
+    parser.add_argument(
+        "--spec-draft-n-max",
+        "--draft-max",
+        dest="draft_max",
+        type=int,
+        default=n_max,
+        help="max draft tokens",
+    )
+    parser.add_argument(
+        "--spec-draft-p-min",
+        "--draft-p-min",
+        dest="draft_p_min",
+        type=float,
+        default=p_min,
+        help="draft confidence to keep drafting",
+    )
+
+
+def add_bench_draft_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "bench-draft",
+        help="time the model-free strategies' drafting, no model",
+        epilog="example:\n  specdecode bench-draft --history 8192 --calls 200",
+    )
+    parser.add_argument("--history", type=int, default=32768, help="tokens of history before timing")
+    parser.add_argument("--calls", type=int, default=500, help="timed draft calls per strategy")
+    parser.add_argument("--vocab", type=int, default=4096, help="token ids are drawn from [0, vocab)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic history")
+    parser.set_defaults(handler=run_bench_draft)
+
+
+def run_bench_draft(args: argparse.Namespace) -> None:
+    from specdecode.bench import drafting
+
+    drafting.run(args)
+
+
+def add_bench_passes_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "bench-passes",
+        help="time forward passes of 1..17 rows (chains and trees), per backend",
+        epilog="example:\n  specdecode bench-passes --reps 10",
+    )
+    parser.add_argument("-m", "--model", type=Path, help="target directory (default: the bundled target)")
+    parser.add_argument(
+        "-md", "--model-draft", type=Path, help="draft directory (default: the bundled draft)"
+    )
+    parser.add_argument(
+        "--backend", default="auto", choices=BACKENDS, help="the backend compared with hf float32"
+    )
+    parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPE_NAMES], help="its dtype")
+    parser.add_argument("-t", "--threads", type=int, default=1, help="CPU threads")
+    parser.add_argument("--reps", type=int, default=30, help="timed passes per row count")
+    parser.set_defaults(handler=run_bench_passes)
+
+
+def run_bench_passes(args: argparse.Namespace) -> None:
+    from specdecode.bench import passes
+
+    passes.run(args)
+
+
+def add_bench_serve_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "bench-serve",
+        help="throughput and p50/p99 latency at several concurrencies: per-request threads vs batching",
+        epilog="systems: threads (a thread per request), batched (one target pass a step for every "
+        "request),\n  batched:STRATEGIES (batched speculation with that chain, e.g. batched:draft), "
+        "and\n  batched:STRATEGIES@adaptive (the same under the adaptive policy)\n\n"
+        "example:\n  specdecode bench-serve --concurrency 1,4,16 --systems threads,batched,batched:draft",
+    )
+    parser.add_argument("-m", "--model", type=Path, help="target directory (default: the bundled target)")
+    parser.add_argument(
+        "-md", "--model-draft", type=Path, help="draft directory (default: the bundled draft)"
+    )
+    parser.add_argument("--systems", default=SERVE_SYSTEMS, help="comma-separated systems (listed below)")
+    parser.add_argument("--concurrency", default="1,2,4,8,16,32", help="client counts")
+    parser.add_argument("--requests", type=int, default=2, help="requests per client at each concurrency")
+    parser.add_argument("-n", "--n-predict", type=int, default=64, help="tokens per request")
+    parser.add_argument("--prompts", type=int, default=16, help="distinct prompts (completion task)")
+    add_drafting_args(parser, DRAFTING.n_max, DRAFTING.p_min)
+    parser.add_argument("-t", "--threads", type=int, help="CPU threads (default: torch's)")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPE_NAMES], help="weights dtype")
+    parser.add_argument("--out", type=Path, default=Path("build/bench-serve"), help="results directory")
+    parser.set_defaults(handler=run_bench_serve)
+
+
+def run_bench_serve(args: argparse.Namespace) -> None:
+    from specdecode.bench import serving
+
+    serving.run(args)
+
+
+def add_bench_constrained_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "bench-constrained",
+        help="structured output (JSON extraction, function calls): constrained plain vs speculative",
+        epilog="example:\n  specdecode bench-constrained --prompts-per-task 1 --runs 1",
+    )
+    parser.add_argument("-m", "--model", type=Path, help="target directory (default: the bundled target)")
+    parser.add_argument(
+        "-md", "--model-draft", type=Path, help="draft directory (default: the bundled draft)"
+    )
+    parser.add_argument("-t", "--threads", type=int, default=1, help="CPU threads")
+    parser.add_argument("-n", "--n-predict", type=int, default=160, help="token limit of an answer")
+    parser.add_argument("--prompts-per-task", type=int, default=3, help="prompts per task")
+    parser.add_argument("--runs", type=int, default=2, help="timed rounds (after one warm-up round)")
+    add_drafting_args(parser, DRAFTING.n_max, DRAFTING.p_min)
+    parser.add_argument(
+        "--systems",
+        default=";".join(CONSTRAINED_SYSTEMS),
+        help="';'-separated --spec-type values ('plain': none)",
+    )
+    parser.set_defaults(handler=run_bench_constrained)
+
+
+def run_bench_constrained(args: argparse.Namespace) -> None:
+    from specdecode.bench import constrained
+
+    constrained.run(args)

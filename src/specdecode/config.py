@@ -1,0 +1,186 @@
+"""What a user sets, free of heavy imports: the settings' dataclasses and the names the command
+line offers (weights' dtypes, backends, passes, policies, verification modes, strategies).
+
+The command's parsers read their defaults and choices here, so that `specdecode --help` and a
+mistyped flag answer without loading torch. The modules that use each setting import it from
+here, and it stays importable from them (`specdecode.sampling.SamplingParams`,
+`specdecode.strategies.DraftModelConfig`, `specdecode.backends.hf.PASSES`, ...).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from specdecode.errors import SpecdecodeError
+
+DTYPE_NAMES = ("float32", "float16", "bfloat16", "float64")  # weights' dtypes (and "auto")
+PASSES = ("auto", "invariant", "fixed", "bucketed")  # the native forward's kinds of passes
+BACKENDS = ("auto", "native", "hf", "llama.cpp")
+SPEC_POLICIES = ("classic", "adaptive")
+VERIFY_MODES = ("match", "rejection")
+# GGUF file types the writer makes itself, by their gguf.LlamaFileType names (each tensor's type
+# is the gguf.GGMLQuantizationType of the format's upper-case name); q4_k needs llama.cpp's
+# quantizer (the llama-cpp extra).
+GGUF_FORMATS = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16", "q8_0": "MOSTLY_Q8_0"}
+LLAMA_CPP_FORMATS = ("q4_k",)
+
+# The strategies in llama.cpp's fixed order, cheapest first; the chain instantiates the enabled
+# ones in this order whatever order they were named in. `forced` (constrained generation only)
+# comes last: a drafting model's masked draft already holds the forced tokens and goes on past
+# them; an n-gram draft cut to nothing falls to it.
+PRIORITY = (
+    "ngram-simple",
+    "ngram-map-k",
+    "ngram-map-k4v",
+    "ngram-mod",
+    "ngram-cache",
+    "draft",
+    "eagle3",
+    "forced",
+)
+# llama.cpp's current --spec-type names of the two model drafters -> the names used inside (and
+# by older llama.cpp), which --spec-type accepts too.
+SPEC_TYPE_ALIASES = {"draft-simple": "draft", "draft-eagle3": "eagle3"}
+SPEC_TYPE_NAMES = {inside: outside for outside, inside in SPEC_TYPE_ALIASES.items()}
+
+
+def spec_type_name(name: str) -> str:
+    """The --spec-type name users see for a strategy: llama.cpp's current one."""
+    return SPEC_TYPE_NAMES.get(name, name)
+
+
+def parse_spec_types(text: str) -> list[str]:
+    """A comma-separated list of strategy names -> the enabled names in priority order, aliases
+    read as the names used inside ("draft-simple" is "draft").
+
+    "none" anywhere disables speculation, as in llama.cpp.
+    """
+    names = [part.strip() for part in text.split(",") if part.strip()]
+    names = [SPEC_TYPE_ALIASES.get(name, name) for name in names]
+    for name in names:
+        if name != "none" and name not in PRIORITY:
+            choices = ", ".join(spec_type_name(known) for known in ("none", *PRIORITY))
+            raise SpecdecodeError(f"unknown --spec-type {name!r} (choose from: {choices})")
+    if "none" in names:
+        return []
+    return [name for name in PRIORITY if name in names]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling settings. temperature <= 0 means greedy, and is the default: a library call
+    that names no temperature decodes greedily, as Hugging Face's `generate` does, so that the
+    same call gives the same text (and speculation pays most). The other defaults are
+    llama.cpp's, as is the command line's temperature 0.8."""
+
+    temperature: float = 0.0
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        checks = [
+            (math.isfinite(self.temperature), "temperature must be a finite number"),
+            (self.top_k >= 0, "top_k must be >= 0 (0 disables it)"),
+            (0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]"),
+            (0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]"),
+            (self.repeat_penalty > 0.0, "repeat_penalty must be > 0 (1 disables it)"),
+            (self.repeat_last_n >= -1, "repeat_last_n must be >= -1 (-1 = whole context)"),
+            (math.isfinite(self.presence_penalty), "presence_penalty must be a finite number"),
+            (math.isfinite(self.frequency_penalty), "frequency_penalty must be a finite number"),
+            (self.seed is None or 0 <= self.seed < 2**64, "seed must be in [0, 2^64)"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise SpecdecodeError(message)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.repeat_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        ) and self.repeat_last_n != 0
+
+
+@dataclass(frozen=True)
+class DraftModelConfig:
+    """Classic llama.cpp defaults: n_max 16, n_min 0, p_min 0.75, p_split 0.1.
+
+    Trees: `n_parallel` > 1 lets the draft model branch (llama.cpp's p_split scheme: a
+    candidate other than the top one whose probability exceeds p_split opens a branch, up to
+    n_parallel branches); `tree_tokens` > 0 makes an EAGLE-3 head draft an EAGLE-2 dynamic tree
+    of that many nodes, expanding the `tree_topk` best nodes per depth by path probability.
+    """
+
+    n_max: int = 16
+    n_min: int = 0
+    p_min: float = 0.75
+    p_split: float = 0.1
+    n_parallel: int = 1
+    tree_tokens: int = 0
+    tree_topk: int = 4
+
+    def __post_init__(self) -> None:
+        if self.n_max < 1:
+            raise SpecdecodeError("--spec-draft-n-max (--draft-max) must be >= 1")
+        if self.n_min < 0:
+            raise SpecdecodeError("--spec-draft-n-min (--draft-min) must be >= 0")
+        if not 0.0 <= self.p_min <= 1.0:
+            raise SpecdecodeError("--spec-draft-p-min (--draft-p-min) must be in [0, 1]")
+        if not 0.0 <= self.p_split <= 1.0:
+            raise SpecdecodeError("--spec-draft-p-split (--draft-p-split) must be in [0, 1]")
+        if self.n_parallel < 1:
+            raise SpecdecodeError("--draft-n-parallel must be >= 1")
+        if self.tree_tokens < 0:
+            raise SpecdecodeError("--draft-tree-tokens must be >= 0 (0: a chain)")
+        if self.tree_topk < 1:
+            raise SpecdecodeError("--draft-tree-topk must be >= 1")
+
+
+@dataclass(frozen=True)
+class NgramMapConfig:
+    """llama.cpp's `common_params_speculative_ngram_map`: key n-gram size, value m-gram size,
+    and (ngram-map-k4v only) how many lookups must hit a key before it drafts."""
+
+    size_n: int = 12
+    size_m: int = 48
+    min_hits: int = 1
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.size_n <= 1024 or not 1 <= self.size_m <= 1024:
+            raise SpecdecodeError("n-gram size-n and size-m must be in 1..1024")
+        if self.min_hits < 1:
+            raise SpecdecodeError("n-gram min-hits must be >= 1")
+
+
+@dataclass(frozen=True)
+class NgramModConfig:
+    n_match: int = 24
+    n_min: int = 48
+    n_max: int = 64
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.n_match <= 1024 or not 0 <= self.n_min <= 1024 or not 0 <= self.n_max <= 1024:
+            raise SpecdecodeError("ngram-mod n-match must be in 1..1024, n-min and n-max in 0..1024")
+
+
+@dataclass(frozen=True)
+class NgramSettings:
+    """Settings of the model-free strategies (llama.cpp's defaults)."""
+
+    simple: NgramMapConfig = field(default_factory=NgramMapConfig)
+    map_k: NgramMapConfig = field(default_factory=NgramMapConfig)
+    map_k4v: NgramMapConfig = field(default_factory=NgramMapConfig)
+    mod: NgramModConfig = field(default_factory=NgramModConfig)
+    cache_static: Path | None = None  # -lcs: read once
+    cache_dynamic: Path | None = None  # -lcd: read once, updated and saved after each generation
