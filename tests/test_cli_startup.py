@@ -103,7 +103,7 @@ def test_version(capsys):
         (
             ["generate", "-p", "x", "--spec-tpye", "ngram-mod"],
             "usage: specdecode generate ",
-            "error: unrecognized arguments: --spec-tpye (did you mean --spec-type?) ngram-mod",
+            "error: unrecognized arguments: --spec-tpye ngram-mod (did you mean --spec-type?)",
         ),
         (
             ["lookup", "stats", "-f", "text.py", "--draft-mx=4"],
@@ -125,7 +125,7 @@ def test_version(capsys):
         (
             ["generate", "--draft-m", "3"],
             "usage: specdecode generate ",
-            "error: unrecognized arguments: --draft-m (did you mean --draft-min?) 3",
+            "error: unrecognized arguments: --draft-m 3 (did you mean --draft-min?)",
         ),
     ],
 )

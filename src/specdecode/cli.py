@@ -122,15 +122,22 @@ class Parser(argparse.ArgumentParser):
         return self
 
     def refuse_unknown(self, unknown: list[str]) -> NoReturn:
-        """The arguments no parser took, each flag followed by the closest one this parser has."""
+        """The arguments no parser took, with the closest flag this parser has to each mistyped one."""
         flags = [flag for action in self._actions for flag in action.option_strings]
-        words = []
+        suggestions = {}  # mistyped flag -> the closest flag this parser has
         for word in unknown:
-            words.append(word)
-            close = difflib.get_close_matches(word.split("=")[0], flags, n=1) if word.startswith("-") else []
+            flag = word.split("=")[0]
+            close = difflib.get_close_matches(flag, flags, n=1) if flag.startswith("-") else []
             if close:
-                words.append(f"(did you mean {close[0]}?)")
-        self.error(f"unrecognized arguments: {' '.join(words)}")
+                suggestions[flag] = close[0]
+        if len(suggestions) == 1:
+            hint = f" (did you mean {next(iter(suggestions.values()))}?)"
+        elif suggestions:
+            pairs = ", ".join(f"{near} for {typed}" for typed, near in suggestions.items())
+            hint = f" (did you mean {pairs}?)"
+        else:
+            hint = ""
+        self.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
 
     def _check_value(self, action: argparse.Action, value: object) -> None:
         # argparse's own check (a private method, of the same signature in every Python this
