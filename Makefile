@@ -1,12 +1,13 @@
 # Two commands do everything on a fresh machine:
 #   make demo   set up, then generate with the bundled pair and run the quick benchmark
-#   make test   set up, then run ruff and the whole test suite
+#   make test   set up, then run ruff, build the documentation site and run the whole test suite
+#   make docs   the documentation site into build/site (make docs-serve: live at http://127.0.0.1:8000)
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 DEMO_PROMPT := import os\n\n\ndef read_lines(path):
 
-.PHONY: setup demo test lint clean llama-tools llama-invariant gpu-check
+.PHONY: setup demo test lint docs docs-serve clean llama-tools llama-invariant gpu-check
 
 setup: $(VENV)/.installed
 
@@ -76,7 +77,17 @@ gpu-check:
 lint: setup
 	$(BIN)/ruff check src tests
 
+# The documentation site (mkdocs.yml, docs/); --strict fails on a broken link or a page left
+# out of the nav. docs/cli.md is filled with each subcommand's --help at build time.
+docs: setup
+	$(BIN)/mkdocs build --strict
+
+docs-serve: setup
+	$(BIN)/mkdocs serve
+
+# The site is built quietly here, without the theme's end-of-life banner.
 test: lint
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -q
 	$(BIN)/python -m pytest -q
 
 clean:
