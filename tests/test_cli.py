@@ -112,6 +112,7 @@ def test_prompt_file(pair, tmp_path, capsys):
     ("args", "message"),
     [
         (["-m", "{missing}", "-p", "x"], "model directory not found"),
+        (["-m", "{missing}.gguf", "--backend", "llama.cpp", "-p", "x"], "GGUF file not found"),
         (["-m", "{target}/config.json", "-p", "x"], "not a directory"),
         (["-m", "{target}"], "no prompt"),
         (["-m", "{target}", "-f", "{missing}"], "cannot read the prompt file"),

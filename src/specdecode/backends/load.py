@@ -43,6 +43,9 @@ def load_backend(path: str | Path, options: LoadOptions = LoadOptions()) -> HFBa
     check_backend_name(options.backend)
     check_not_hub_id(path)
     path = Path(path)
+    if not path.exists():
+        kind = "GGUF file" if path.suffix.lower() == ".gguf" else "model directory"
+        raise SpecdecodeError(f"{kind} not found: {path}")
     if is_gguf(path):
         return _load_gguf(path, options)
     if options.backend == "llama.cpp":
