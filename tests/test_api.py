@@ -89,7 +89,7 @@ def test_the_bundled_target_loads_only_the_drafter_the_strategy_needs():
 # --------------------------------------------------------------------------- models in memory
 
 
-def test_models_in_memory_run_natively_and_equal_plain_generation(models, in_memory, plain):
+def test_models_in_memory_run_natively_and_equal_plain_generation(models, in_memory, plain, exactness_log):
     target, _, tokenizer = models
     assert type(in_memory.target) is NativeBackend and type(in_memory.draft) is NativeBackend
     assert in_memory.draft.tokenizer is tokenizer  # the draft's tokenizer defaults to the target's
@@ -99,6 +99,7 @@ def test_models_in_memory_run_natively_and_equal_plain_generation(models, in_mem
         expected = plain.generate(prompt, max_new_tokens=20, ignore_eos=True)
         assert result.tokens == expected.tokens and result.text == expected.text
         assert result.stats.totals.n_accepted > 0
+        exactness_log.record("api/models-in-memory", "native", result.stats, result.stats.stop_reason)
     hf = Pipeline.load(target, tokenizer=tokenizer, target_options=LoadOptions(backend="hf"))
     assert type(hf.target) is HFBackend
 
@@ -128,12 +129,13 @@ def test_models_in_memory_that_cannot_run_are_refused(models, draft_dir):
 # --------------------------------------------------------------------------- prompts and settings
 
 
-def test_a_list_of_prompts_is_a_batch_with_each_answer_as_alone(in_memory, plain):
+def test_a_list_of_prompts_is_a_batch_with_each_answer_as_alone(in_memory, plain, exactness_log):
     prompts = [PROMPT, [5, 6, 7, 8], "def wrap(text, width):"]
     results = in_memory.generate(prompts, max_new_tokens=10, ignore_eos=True)
     assert isinstance(results, list) and len(results) == len(prompts)
     for prompt, result in zip(prompts, results, strict=True):
         assert result.tokens == plain.generate(prompt, max_new_tokens=10, ignore_eos=True).tokens
+        exactness_log.record("api/list-of-prompts", "native", result.stats, result.stats.stop_reason)
     assert isinstance(in_memory.generate([5, 6, 7], max_new_tokens=2), Result)  # token ids: one prompt
     with pytest.raises(SpecdecodeError, match="mixes token ids"):
         in_memory.generate([5, "six"])
@@ -196,7 +198,7 @@ def test_the_server_keeps_llama_servers_temperature_for_requests_that_name_none(
 # --------------------------------------------------------------------------- speculative_config
 
 
-def test_speculative_config_in_vllms_keys(models, draft_dir, plain):
+def test_speculative_config_in_vllms_keys(models, draft_dir, plain, exactness_log):
     target, _, tokenizer = models
     ngram = Pipeline.load(
         target,
@@ -215,7 +217,9 @@ def test_speculative_config_in_vllms_keys(models, draft_dir, plain):
         speculative_config={"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": 3},
     )
     assert drafted.spec_types == ["draft"] and drafted.draft is not None and drafted.draft_config.n_max == 3
-    assert drafted.generate(PROMPT, **IDS).tokens == plain.generate(PROMPT, **IDS).tokens
+    result = drafted.generate(PROMPT, **IDS)
+    assert result.tokens == plain.generate(PROMPT, **IDS).tokens and result.stats.totals.n_drafted > 0
+    exactness_log.record("api/speculative-config", "draft_model", result.stats)
     ours = Pipeline.load(
         target,
         tokenizer=tokenizer,
