@@ -284,7 +284,7 @@ def test_export_writes_every_engine_and_prints_its_commands(zoo, trio, tmp_path,
     ("extra", "message"),
     [
         (["--engines", "vllm,trt"], "--engines takes"),
-        (["--draft-max", "0"], "--draft-max must be >= 1"),
+        (["--draft-max", "0"], "--spec-draft-n-max (--draft-max) must be >= 1"),
         (["--eagle3-layer-offset", "3"], "layers 0..4"),
     ],
 )

@@ -48,7 +48,7 @@ from specdecode.strategies.eagle3_head import Eagle3Head
 if TYPE_CHECKING:
     from rich.console import Console
 
-# (prompts per task, tokens per run, measured runs, warm-up rounds, --draft-max sweep)
+# (prompts per task, tokens per run, measured runs, warm-up rounds, --spec-draft-n-max sweep)
 MODES = {
     "quick": (1, 32, 1, 1, (2, 8)),
     "full": (3, 128, 3, 1, (1, 2, 4, 8, 16)),

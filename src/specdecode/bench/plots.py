@@ -1,5 +1,5 @@
 """PNG plots of a benchmark: speed-up by task and system, acceptance by draft position, and
-speed-up against --draft-max. Drawn with matplotlib's file-only backend (no display needed).
+speed-up against --spec-draft-n-max. Drawn with matplotlib's file-only backend (no display needed).
 
 A full run compares some 18 systems: drawn on one axes they would need more colours than a
 reader can tell apart. The systems are grouped by strategy family instead, one panel each (a
@@ -159,7 +159,7 @@ def _pooled_positions(rows: Sequence[dict]) -> tuple[list[int], list[int]]:
 
 
 def draft_max_figure(sweep: Sequence[dict], title: str = "") -> Figure:
-    """The draft strategy's measured speed-up at each --draft-max, beside the ideal S(α, γ, c)
+    """The draft strategy's measured speed-up at each --spec-draft-n-max, beside the ideal S(α, γ, c)
     its measured acceptance and costs allow."""
     figure, axes = plt.subplots(figsize=(8, 4.5), layout="constrained")
     values = [row["draft_max"] for row in sweep]

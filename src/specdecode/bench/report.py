@@ -109,7 +109,7 @@ def plot_title(header: str, results: dict) -> str:
 def sweep_lines(sweep: Sequence[dict]) -> list[str]:
     """The draft-max sweep: one line per value."""
     return [
-        f"--draft-max {row['draft_max']:>2}: {row['speedup_vs_plain']:.2f}x over plain, "
+        f"--spec-draft-n-max {row['draft_max']:>2}: {row['speedup_vs_plain']:.2f}x over plain, "
         f"{row['tokens_per_pass']:.2f} tokens per pass, acceptance {row['acceptance_rate']:.2f}"
         for row in sweep
     ]
@@ -214,7 +214,7 @@ def write_outputs(out_dir: Path, results: dict, rows: Sequence[dict], header: st
         json_path.write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
         text = markdown(rows, header)
         if results.get("draft_max_sweep"):
-            text += "\n### speed-up vs --draft-max (draft, completion)\n\n"
+            text += "\n### speed-up vs --spec-draft-n-max (draft, completion)\n\n"
             text += "\n".join(f"- {line}" for line in sweep_lines(results["draft_max_sweep"])) + "\n"
         for name, summary in results.get("policies", {}).items():
             text += "\n```\n" + "\n".join(policy_lines(name, summary)) + "\n```\n"

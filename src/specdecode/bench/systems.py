@@ -8,7 +8,7 @@ End-of-generation tokens do not stop any system: every run does the same amount 
 A system of ours named with the suffix "@adaptive" (draft@adaptive, ngram-simple,draft@adaptive)
 runs the adaptive policy instead of the classic chain; its `PolicyModels` are timed once when
 the system is built and then learn across all of its runs, as a server's would across requests.
-The suffix "@P/N" runs the classic chain with --draft-p-min P and --draft-max N instead of the
+The suffix "@P/N" runs the classic chain with --spec-draft-p-min P and --spec-draft-n-max N instead of the
 run's (draft@0.3/6): the static settings an adaptive system is compared with.
 """
 
@@ -156,7 +156,7 @@ def build_systems(
     if unknown:
         raise SpecdecodeError(
             f"unknown or unavailable system {unknown[0]!r} (with these models: {', '.join(known)}; "
-            "a classic one may end in @P/N for --draft-p-min P and --draft-max N)"
+            "a classic one may end in @P/N for --spec-draft-p-min P and --spec-draft-n-max N)"
         )
     ordered = ["plain", *(name for name in known if name in names and name != "plain")]
     ordered += [name for name in names if name not in known and name not in ordered]  # @P/N, as asked

@@ -49,7 +49,7 @@ def run_export(args: argparse.Namespace) -> None:
     if "llama.cpp" in engines:  # the gguf package (the gguf extra): only to write GGUF files
         from specdecode.export.gguf import TYPES, check_model_gguf, write_head_gguf
     if args.draft_max < 1:
-        raise SpecdecodeError(f"--draft-max must be >= 1, not {args.draft_max}")
+        raise SpecdecodeError(f"--spec-draft-n-max (--draft-max) must be >= 1, not {args.draft_max}")
     head_dir = resolve_eagle3(args.model, args.model_eagle3)
     target_dir, draft_dir = resolve_models(args.model, args.model_draft)
     target_dir, draft_dir = target_dir.resolve(), draft_dir.resolve() if draft_dir else None

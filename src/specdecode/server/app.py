@@ -288,7 +288,7 @@ class Service:
         if n_max > server.n_max:
             raise APIError(
                 400,
-                f"speculative.n_max must be in 1..{server.n_max} (the server's --draft-max)",
+                f"speculative.n_max must be in 1..{server.n_max} (the server's --spec-draft-n-max)",
                 param="speculative.n_max",
             )
         n_min = overrides.setdefault("n_min", min(server.n_min, n_max))
