@@ -11,6 +11,7 @@ import copy
 import difflib
 import functools
 import inspect
+import os
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +34,10 @@ SHARPEN = 4.0  # lm_head scale: top-1 confidences above p_min = 0.75 become comm
 # The models here are tiny: intra-op threads only add synchronisation, and on a busy machine
 # (2 cores shared with other jobs) OpenMP spinning makes a 24-token generation 20-40x slower.
 torch.set_num_threads(1)
+
+# Pass timings are never read from or written to the user's cache (and a test that times passes
+# must time them); tests of that cache turn it back on in a temporary directory.
+os.environ["SPECDECODE_NO_PASS_CACHE"] = "1"
 
 # Draft kinds: perturbed copies at these noise levels, or an unrelated model.
 NOISES = (0.0, 0.02, 0.1, 0.5)

@@ -117,9 +117,9 @@ class Pipeline:
         spec_policy: "classic" (llama.cpp's fixed chain and p_min) or "adaptive" (each step
         drafts what maximises expected tokens per second, see `specdecode.policy`).
         policy_models: what the adaptive policy has learned, to share (None: new models whose
-        pass costs are timed on the target now).
+        pass costs are timed on the target now, or reused from an earlier run's timing).
         progress: told when the target's passes are being timed (a start-up phase that takes a
-        while); forks are silent."""
+        while) or their timings from an earlier run reused; forks are silent."""
         self.target = target
         self.draft = draft
         self.eagle3 = eagle3
@@ -140,10 +140,8 @@ class Pipeline:
         self._load_rule: LoadRule | None = None
         self._batch: tuple[DraftPasses | None, list[Pipeline]] | None = None  # see _seats
         if spec_policy == "adaptive" and self.spec_types:
-            if policy_models is None and progress is not None:
-                progress("timing the target's passes for the adaptive policy")
             self.policy_models = (
-                policy_models if policy_models is not None else PolicyModels.for_target(target)
+                policy_models if policy_models is not None else PolicyModels.for_target(target, progress)
             )
 
     @classmethod

@@ -525,6 +525,9 @@ def pipeline_from_args(args: argparse.Namespace) -> Pipeline:
     )
     if pipeline.eagle3 is not None:
         print(f"note: {pipeline.eagle3.layer_note}", file=sys.stderr)
+    for backend in (pipeline.target, pipeline.draft):
+        if getattr(backend, "dtype_note", None):  # the dtype "auto" chose, where the CPU decided it
+            print(f"note: {backend.dtype_note}", file=sys.stderr)
     # Backends whose rows may vary with the pass (llama.cpp's, the graph passes) say so up front
     # (asked by name: llama.cpp's module is imported only for GGUF files)
     row_variance_warning = getattr(pipeline.target, "row_variance_warning", None)

@@ -59,12 +59,13 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import combinations
 
 import numpy as np
 
+from specdecode import pass_cache
 from specdecode.backends import Backend, common_prefix
 from specdecode.config import SPEC_POLICIES
 from specdecode.errors import SpecdecodeError
@@ -466,10 +467,21 @@ class PolicyModels:
         return self.step_tokens / self.step_seconds if self.step_seconds > 0 else None
 
     @classmethod
-    def for_target(cls, target: Backend) -> PolicyModels:
-        """Models whose pass costs are timed on `target` now."""
+    def for_target(cls, target: Backend, progress: Callable[[str], None] | None = None) -> PolicyModels:
+        """Models whose pass costs are timed on `target` now, or read from an earlier run's timing
+        of the same model on this machine (`specdecode.pass_cache`); `progress` is told which."""
+        say = progress or (lambda line: None)
         models = cls()
+        key = pass_cache.cache_key(target, CALIBRATION_ROWS) if pass_cache.enabled() else None
+        stored = pass_cache.read(key) if key is not None else None
+        if stored is not None:
+            say("reusing the target's pass timings from an earlier run")
+            models.costs.calibrated = stored
+            return models
+        say("timing the target's passes for the adaptive policy")
         models.costs.calibrate(target)
+        if key is not None and models.costs.calibrated:
+            pass_cache.write(key, models.costs.calibrated)
         return models
 
 

@@ -67,6 +67,8 @@ class HFBackend:
     # the number of rows in a pass (transformers' kernels are not, and in half precision the
     # difference can change a greedy token).
     half_precision_on_cpu = False
+    # Why the weights run in another dtype than the stored one, for a command to say (see `load`).
+    dtype_note: str | None = None
 
     def __init__(
         self,
@@ -124,7 +126,7 @@ class HFBackend:
             )
         model = model.to(device)
         check_loaded_model(model, tokenizer, directory)
-        return cls(
+        backend = cls(
             model,
             tokenizer,
             n_ctx=options.n_ctx,
@@ -133,6 +135,15 @@ class HFBackend:
             name=directory.name,
             **cls.pass_options(options),
         )
+        # Where "auto" would have kept bfloat16 but for this CPU (other backends run float32 on
+        # every CPU): a user expecting the stored dtype is told why not.
+        cpu_decided = options.dtype == "auto" and device.type == "cpu" and cls.half_precision_on_cpu
+        if cpu_decided and _stored_dtype(config) == torch.bfloat16 and dtype == torch.float32:
+            backend.dtype_note = (
+                f"{directory.name}: this CPU has no bf16 units: running its bfloat16 weights in float32 "
+                "(faster here than emulated bfloat16)"
+            )
+        return backend
 
     @classmethod
     def pass_options(cls, options: LoadOptions) -> dict:
@@ -418,15 +429,25 @@ def _resolve_dtype(name: str, config, device: torch.device, half_on_cpu: bool) -
         if name not in DTYPES:
             raise SpecdecodeError(f"unknown dtype {name!r} (choose from auto, {', '.join(DTYPES)})")
         return DTYPES[name]
-    stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-    stored = DTYPES.get(str(stored).removeprefix("torch."), torch.float32)
+    stored = _stored_dtype(config)
     if device.type == "cuda" or stored == torch.float64:
         return stored
     # On a CPU, half precision pays only with native bfloat16 arithmetic (AVX512-BF16, AMX):
     # half the bytes to read per token, and passes of a few rows cost little more than one.
-    if stored == torch.bfloat16 and half_on_cpu and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+    if stored == torch.bfloat16 and half_on_cpu and cpu_has_bf16():
         return torch.bfloat16
     return torch.float32
+
+
+def _stored_dtype(config) -> torch.dtype:
+    stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    return DTYPES.get(str(stored).removeprefix("torch."), torch.float32)
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this CPU computes in bfloat16 natively (AVX512-BF16, AMX): without such units
+    torch emulates bfloat16, several times slower than float32."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def _uses_sliding_window(config) -> bool:

@@ -9,8 +9,9 @@ from specdecode.errors import SpecdecodeError
 
 SAVE_DTYPE_NAMES = ("bfloat16", "float16")  # the dtypes trained weights are saved in
 # "bf16": matmuls under bfloat16 autocast (fp32 master weights and optimizer state), about twice
-# as fast as fp32 on GPUs and on CPUs with AVX512-BF16 or AMX; "fp32" for CPUs without them.
-PRECISIONS = ("bf16", "fp32")
+# as fast as fp32 on GPUs and on CPUs with AVX512-BF16 or AMX; "fp32" for CPUs without them, where
+# bfloat16 is emulated (about 10x slower); "auto": whichever of the two is fast where training runs.
+PRECISIONS = ("auto", "bf16", "fp32")
 DEVICES = ("cpu", "cuda", "auto")
 PREFIX_TOKENS = 64  # corpus tokens before each generated continuation
 NEW_TOKENS = 192  # the target's greedy tokens after each prefix
@@ -30,7 +31,7 @@ class TrainConfig:
     device: str = "auto"  # "cpu", "cuda" or "auto" (cuda when available)
     checkpoint_every: int = 500
     save_dtype: str = "bfloat16"
-    precision: str = "bf16"
+    precision: str = "auto"
     distill_temperature: float = 1.0
     threads: int | None = None  # torch intra-op threads; None leaves torch's setting alone
     calibration_windows: int = 32  # drafts, heads: training windows that fit the confidence scale (0: none)
@@ -58,6 +59,26 @@ class TrainConfig:
             raise SpecdecodeError(f"precision must be one of {', '.join(PRECISIONS)}, not {self.precision!r}")
         if self.threads is not None and self.threads < 1:
             raise SpecdecodeError(f"threads must be >= 1, not {self.threads}")
+
+
+def choose_precision(asked: str, device_type: str, cpu_has_bf16: bool) -> tuple[str, str | None]:
+    """The precision to train in, and a line to say about it (None: nothing worth saying): "auto"
+    is bf16 on a GPU or on a CPU with bf16 units, else fp32; an explicit choice is obeyed, with a
+    warning where it is bf16 on a CPU that would emulate it."""
+    emulated = device_type == "cpu" and not cpu_has_bf16
+    if asked == "auto":
+        if emulated:
+            return "fp32", (
+                "note: this CPU has no bf16 units: training in float32, "
+                "about 10x faster here than bf16 emulation"
+            )
+        return "bf16", None
+    if asked == "bf16" and emulated:
+        return "bf16", (
+            "warning: this CPU has no bf16 units: --precision bf16 is emulated here, about 10x slower than "
+            "--precision fp32"
+        )
+    return asked, None
 
 
 @dataclass(frozen=True)

@@ -203,6 +203,7 @@ def train_eagle3(
         raise SpecdecodeError(f"generated_tokens must be >= 0 (0: the corpus), not {generated_tokens}")
     out_dir = Path(out_dir)
     device = lm.prepare(config)
+    config = lm.with_precision(config, device)
     teacher = HFBackend.load(target_dir, LoadOptions(device=device.type, dtype="float32"))
     vocab_size = teacher.vocab.size
     target = teacher.model.eval().requires_grad_(False)

@@ -37,7 +37,8 @@ TRAINING_HELP = {
     "checkpoint_every": "steps between checkpoints in --out (a run resumes from the last one)",
     "save_dtype": "dtype of the saved weights",
     "precision": "bf16: matmuls under bfloat16 autocast (about twice as fast on GPUs and CPUs with bf16 "
-    "arithmetic); fp32 for CPUs without it",
+    "arithmetic); fp32 for CPUs without it, where bf16 is emulated; auto: bf16 on a GPU or a CPU with "
+    "bf16 units, else fp32",
     "distill_temperature": "softmax temperature of the target's distributions a draft or head learns",
     "threads": "CPU threads for torch (default: torch's own choice)",
     "calibration_windows": "training windows that fit a draft's or head's confidence scale (0: none)",

@@ -27,9 +27,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -39,11 +40,11 @@ from torch import nn
 from tqdm import tqdm
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
-from specdecode.backends.hf import HFBackend, LoadOptions
+from specdecode.backends.hf import HFBackend, LoadOptions, cpu_has_bf16
 from specdecode.errors import SpecdecodeError
 from specdecode.train import distributed
 from specdecode.train.calibrate import calibrate_draft
-from specdecode.train.config import SAVE_DTYPE_NAMES, TrainConfig
+from specdecode.train.config import SAVE_DTYPE_NAMES, TrainConfig, choose_precision
 
 HARD_LOSS_WEIGHT = 0.1  # share of plain next-token cross-entropy in the distillation loss
 SAVE_DTYPES = {name: getattr(torch, name) for name in SAVE_DTYPE_NAMES}
@@ -303,6 +304,16 @@ def prepare(config: TrainConfig) -> torch.device:
     return distributed.init(device.type) or device
 
 
+def with_precision(config: TrainConfig, device: torch.device) -> TrainConfig:
+    """`config` with its precision decided for `device` ("auto": see `choose_precision`), said on
+    stderr where the CPU decided it. Decided before the run's identity is taken, so a run resumes
+    in the precision it started in, whichever way it was asked for."""
+    precision, line = choose_precision(config.precision, device.type, device.type == "cpu" and cpu_has_bf16())
+    if line is not None and distributed.is_main():
+        print(line, file=sys.stderr)
+    return replace(config, precision=precision)
+
+
 def _next_token_loss(model: LlamaForCausalLM, batch: torch.Tensor) -> torch.Tensor:
     logits = model(input_ids=batch[:, :-1]).logits  # [B, T, V]
     return F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
@@ -324,6 +335,7 @@ def train_target(
     vocab_size = len(tokenizer)
     check_tokens(tokens, config, vocab_size)
     device = prepare(config)
+    config = with_precision(config, device)
     model = _new_model(shape, vocab_size, tokenizer, config.seed).to(device)
     identity = run_identity("target", shape, config)
     log = train_loop(
@@ -366,6 +378,7 @@ def train_draft(
     on_start: see `train_loop`."""
     out_dir = Path(out_dir)
     device = prepare(config)
+    config = with_precision(config, device)
     teacher = HFBackend.load(target_dir, LoadOptions(device=device.type, dtype="float32"))
     vocab_size = teacher.vocab.size
     check_tokens(tokens, config, vocab_size)

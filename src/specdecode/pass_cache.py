@@ -1,0 +1,161 @@
+"""Pass timings kept across runs: what the adaptive policy timed on a model, reused next time.
+
+Timing the target's passes at load costs seconds to tens of seconds on a large model on a CPU,
+every run, for numbers that change only with the model's shape, the backend, the dtype, the
+threads, the device and the machine. So they are stored, one small JSON file per such key, in
+`$XDG_CACHE_HOME/specdecode/pass-costs/` (~/.cache by default). The policy still learns from the
+passes it runs, so a stored timing only has to be a good start.
+
+A model is known by its files (a directory by its config.json and its weight files' names,
+sizes and modification times; a GGUF file by its path, size and modification time); a model
+in memory, or one whose files cannot be read, is timed every run. A file that is unreadable,
+malformed or written for another key is timed again and replaced, never an error; where the
+cache cannot be written, the timings are simply not kept. SPECDECODE_NO_PASS_CACHE=1 turns the
+cache off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from specdecode.backends import Backend
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".packed")
+FORMAT = 1  # of the stored files: a file of another format is foreign
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "specdecode" / "pass-costs"
+
+
+def enabled() -> bool:
+    return os.environ.get("SPECDECODE_NO_PASS_CACHE", "") in ("", "0")
+
+
+def cache_key(backend: Backend, rows: tuple[int, ...]) -> dict[str, Any] | None:
+    """What the timings of `rows`-row passes on `backend` depend on, or None where the model
+    cannot be named by its files (then it is timed every run)."""
+    model = _model_identity(backend)
+    if model is None:
+        return None
+    weights = getattr(backend, "model", None)
+    parameters = getattr(weights, "parameters", None)  # a torch module's (llama.cpp's has none)
+    dtype = str(next(parameters()).dtype) if callable(parameters) else None
+    return {
+        "format": FORMAT,
+        "model": model,
+        "backend": type(backend).__name__,
+        "repack": getattr(weights, "repack", None),  # llama.cpp's weight layouts have kernels of their own
+        "dtype": dtype,
+        "threads": getattr(backend, "threads", None) or _torch_threads(),
+        "device": _device_name(str(getattr(backend, "device", "cpu"))),
+        "cpu": _cpu_model(),
+        "version": _version(),
+        "n_ctx": backend.n_ctx,
+        "rows": list(rows),
+    }
+
+
+def read(key: dict[str, Any]) -> dict[int, float] | None:
+    """The timings stored under `key` (rows -> seconds), or None where there are none usable."""
+    try:
+        stored = json.loads(_path(key).read_text())
+    except (OSError, RuntimeError, ValueError):  # RuntimeError: no home directory to find the cache in
+        return None
+    if not isinstance(stored, dict) or stored.get("key") != key or not isinstance(stored.get("costs"), dict):
+        return None
+    try:
+        costs = {int(rows): float(seconds) for rows, seconds in stored["costs"].items()}
+    except (TypeError, ValueError):
+        return None
+    if not costs or any(not math.isfinite(s) or s <= 0 or n not in key["rows"] for n, s in costs.items()):
+        return None
+    return costs
+
+
+def write(key: dict[str, Any], costs: dict[int, float]) -> None:
+    """Store `costs` under `key`, whole or not at all (written beside it, then renamed into
+    place, so that a reader never sees half a file); a cache that cannot be written is skipped."""
+    text = json.dumps({"key": key, "costs": {str(n): s for n, s in sorted(costs.items())}}, indent=1)
+    try:
+        path = _path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle, temporary = tempfile.mkstemp(prefix=f".{path.stem}-", suffix=".json", dir=path.parent)
+    except (OSError, RuntimeError):
+        return
+    try:
+        with os.fdopen(handle, "w") as file:
+            file.write(text)
+        os.replace(temporary, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+
+
+def _path(key: dict[str, Any]) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+    return cache_dir() / f"{digest[:32]}.json"
+
+
+def _model_identity(backend: Backend) -> dict[str, Any] | None:
+    """The files `backend`'s model was read from: their folder and each one's [name, size,
+    mtime], a directory's config.json also by its content (it names the shape); None for a
+    model not read from files, or files that cannot be read."""
+    model = getattr(backend, "model", None)
+    gguf = getattr(model, "path", None)  # llama.cpp's model, read from one file
+    source = getattr(model, "name_or_path", "") or ""  # the directory transformers read
+    if gguf is not None:
+        directory, files, config = Path(gguf).parent, [Path(gguf)], None
+    elif source and (Path(source) / "config.json").is_file():
+        directory, config = Path(source), Path(source) / "config.json"
+        files = sorted(p for p in directory.iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file())
+    else:
+        return None
+    try:
+        return {
+            "path": str(directory.resolve()),
+            "files": [[path.name, path.stat().st_size, path.stat().st_mtime_ns] for path in files],
+            "config": hashlib.sha256(config.read_bytes()).hexdigest() if config is not None else None,
+        }
+    except OSError:
+        return None
+
+
+def _torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def _device_name(device: str) -> str:
+    """The device, a GPU by its model too (a pass's time is the card's)."""
+    if not device.startswith("cuda"):
+        return device
+    import torch
+
+    return f"{device} {torch.cuda.get_device_name(torch.device(device))}"
+
+
+def _cpu_model() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("specdecode")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
