@@ -7,20 +7,32 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import re
 
 import pytest
 
 from specdecode.backends.hf import HFBackend
+from specdecode.bench import drafting, passes
+from specdecode.bench.machine import CPU_FLAGS, Machine, git_commit, machine_line
 from specdecode.bench.metrics import ideal_speedup, solve_alpha, summarize
 from specdecode.bench.plots import _pooled_positions, acceptance_by_position
 from specdecode.bench.suite import Measurement, rounds
 from specdecode.bench.systems import build_systems, system_names
 from specdecode.bench.tasks import TASK_NAMES, build_tasks
-from specdecode.cli import main
+from specdecode.cli import build_parser, main
 from specdecode.errors import SpecdecodeError
 from specdecode.sampling import SamplingParams
 from specdecode.strategies import DraftModelConfig, NgramSettings
 from specdecode.testing import make_llama, make_tokenizer, perturbed_copy, save_model
+
+MACHINE_KEYS = {"cpu", "cpu_flags", "bf16", "threads", "dtypes", "load_start", "load_end", "date", "commit"}
+
+
+def within_the_cores(cpu_seconds: float, seconds: float) -> bool:
+    """CPU time spent, above zero and no more than every core busy for the wall-clock time (with
+    room for the clocks' accounting)."""
+    return 0 < cpu_seconds <= 1.1 * seconds * (os.cpu_count() or 1) + 1e-3
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +58,8 @@ def test_quick_run_writes_json_markdown_and_plots_with_every_system(pair, tmp_pa
     assert {(r["task"], r["system"]) for r in rows} == {(t, s) for t in TASK_NAMES for s in expected}
     for row in rows:
         assert row["tokens_per_second"] > 0 and row["runs"] == 1
+        assert within_the_cores(row["cpu_seconds"], row["seconds"]), row
+        assert row["tokens_per_cpu_second"] == 12 / row["cpu_seconds"]
         if row["family"] == "ours":  # greedy and seeded speculation change nothing
             assert row["exact_match_rate"] == 1.0, row
         elif row["task"] == "free-t1":  # Hugging Face's sampler draws other tokens
@@ -53,14 +67,17 @@ def test_quick_run_writes_json_markdown_and_plots_with_every_system(pair, tmp_pa
     assert [s["draft_max"] for s in results["draft_max_sweep"]] == [2, 8]
     for name in ("speedup_by_task.png", "acceptance_by_position.png", "speedup_vs_draft_max.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "task: editing" in printed and "hf-assisted" in printed
-    assert "| system |" in (out / "results.md").read_text()
+    assert "task: editing" in printed
+    markdown = (out / "results.md").read_text()
+    assert "| system | tok/s (min–max) | tok/CPU-s |" in markdown and "| hf-assisted |" in markdown
+    assert machine_line(results["machine"]) in printed.splitlines() and "machine: " in markdown
     # stderr is no terminal here: one line per run (warm-up and measured, sweep included), no bar
     runs = [line for line in progress.splitlines() if line.startswith("bench: [")]
     total = len(TASK_NAMES) * 2 * len(expected) + 2 * 3  # the sweep: plain and draft-max 2, 8
     assert len(runs) == total and runs[-1].startswith(f"bench: [{total}/{total}] task completion 1/1")
     assert runs[0].endswith("tok/s") and "system plain (warm-up)" in runs[0]
-    assert "machine" in results and results["machine"]["cpu"] and results["date"]
+    assert set(results["machine"]) >= MACHINE_KEYS and results["machine"]["cpu"] and results["date"]
+    assert results["machine"]["dtypes"] == {"target": "float64", "draft": "float64"}
 
 
 def test_hugging_face_greedy_generate_equals_our_plain_output(pair, tmp_path):
@@ -184,7 +201,7 @@ def test_ideal_speedup_inverts_the_expected_tokens_per_pass():
 
 def test_summary_ratios_and_exact_match():
     def measurement(system: str, family: str, seconds: float, tokens: list[int]) -> Measurement:
-        return Measurement("editing", 0, system, family, seconds, tokens, None)
+        return Measurement("editing", 0, system, family, seconds, seconds / 2, tokens, None)
 
     rows = summarize(
         [
@@ -195,6 +212,7 @@ def test_summary_ratios_and_exact_match():
     )
     plain, hf, lookup = rows
     assert plain["tokens_per_second"] == 2.0 and plain["speedup_vs_hf_plain"] == 2.0
+    assert plain["tokens_per_cpu_second"] == 4.0 and plain["cpu_seconds"] == 1.0
     assert lookup["speedup_vs_plain"] == 2.0 and lookup["speedup_vs_hf_plain"] == 4.0
     assert hf["exact_match_rate"] == 1.0 and lookup["exact_match_rate"] == 0.0
 
@@ -233,14 +251,52 @@ def test_every_run_of_ours_starts_cold(pair):
 
 def test_bench_passes_times_every_row_count_for_target_and_draft(pair, capsys):
     target, draft = pair
-    assert main(["bench-passes", "-m", str(target), "-md", str(draft), "--reps", "1"]) == 0
-    printed = capsys.readouterr().out
-    assert all(f"T={n}" in printed for n in (1, 2, 3, 5, 9, 17))
-    rows = [line for line in printed.splitlines() if line.startswith("│")]
+    args = build_parser().parse_args(["bench-passes", "-m", str(target), "-md", str(draft), "--reps", "1"])
+    results = passes.run(args)
     # float64 models: hf, and the native forward (auto dtype keeps float64 once, float32 once);
     # the target's tree passes through each of them too
-    assert [row.split("│")[1].strip() for row in rows] == ["target"] * 6 + ["draft"] * 3
-    assert {row.split("│")[2].strip() for row in rows} == {"hf", "native", "hf tree", "native tree"}
+    configurations = [(r["model"], r["backend"], r["dtype"], r["kind"]) for r in results["rows"]]
+    target_ones = [("hf", "float32"), ("native", "float32"), ("native", "float64")]
+    assert configurations == [
+        *(("target", backend, dtype, kind) for backend, dtype in target_ones for kind in ("chain", "tree")),
+        *(("draft", backend, dtype, "chain") for backend, dtype in target_ones),
+    ]
+    for row in results["rows"]:
+        assert [p["rows"] for p in row["passes"]] == [1, 2, 3, 5, 9, 17]
+        assert all(within_the_cores(p["cpu_ms"], p["ms"]) for p in row["passes"]), row
+        speeds = [(p["tokens_per_cpu_second"], 1e3 * p["rows"] / p["cpu_ms"]) for p in row["passes"]]
+        assert all(math.isclose(*speed) for speed in speeds)
+    assert set(results["machine"]) >= MACHINE_KEYS
+    assert results["machine"]["dtypes"] == {
+        "target hf": "float32",
+        "target native": "float32/float64",
+        "draft hf": "float32",
+        "draft native": "float32/float64",
+    }
+    printed = capsys.readouterr().out
+    assert printed.startswith(machine_line(results["machine"]) + "\n") and "tok/CPU-s" in printed
+
+
+def test_bench_draft_times_every_model_free_strategy_in_wall_and_cpu_time(capsys):
+    args = build_parser().parse_args(["bench-draft", "--history", "2048", "--calls", "20"])
+    results = drafting.run(args)
+    strategies = ["ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache"]
+    assert [row["strategy"] for row in results["rows"]] == strategies
+    for row in results["rows"]:
+        assert row["calls"] == 20 and within_the_cores(row["mean_cpu_ms"], row["mean_ms"]), row
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0] == machine_line(results["machine"]) and "CPU ms" in printed[2]
+
+
+def test_the_machine_block_says_what_ran_where_and_when():
+    machine = Machine().describe({"target": "bfloat16"}, "cpu", row_invariant=True)
+    assert MACHINE_KEYS | {"row_invariant"} <= set(machine) and machine["row_invariant"] is True
+    assert set(machine["cpu_flags"]) == set(CPU_FLAGS) and machine["threads"] >= 1
+    assert machine["commit"] is None or re.fullmatch("[0-9a-f]{40}", machine["commit"])
+    assert machine["commit"] == git_commit()
+    line = machine_line(machine)
+    assert line.startswith(f"machine: {machine['cpu']} (") and "target bfloat16" in line
+    assert "\n" not in line
 
 
 def test_bench_serve_compares_threads_with_batching_and_checks_every_answer(pair, tmp_path, capsys):
@@ -248,13 +304,20 @@ def test_bench_serve_compares_threads_with_batching_and_checks_every_answer(pair
     out = tmp_path / "serve"
     argv = ["bench-serve", "-m", str(target), "-md", str(draft), "--concurrency", "1,3", "--requests", "1"]
     assert main([*argv, "-n", "6", "--prompts", "2", "--out", str(out), "--dtype", "float32"]) == 0
-    rows = json.loads((out / "results.json").read_text())["rows"]
+    results = json.loads((out / "results.json").read_text())
+    rows = results["rows"]
     systems = ["threads", "batched", "batched:draft", "batched:draft@adaptive", "batched:ngram-mod"]
     systems.append("batched:ngram-mod@adaptive")
     assert [(r["system"], r["concurrency"]) for r in rows] == [(s, c) for c in (1, 3) for s in systems]
     assert all(r["draft_tokens_per_step"] == 0 for r in rows if ":" not in r["system"])
     assert all(r["exact"] == r["requests"] and r["tokens"] == 6 * r["requests"] for r in rows)
     assert max(r["mean_batch"] for r in rows if r["system"] == "batched") > 1
-    assert (out / "serving.png").is_file() and "C=3" in (out / "serving.md").read_text()
+    assert all(within_the_cores(r["cpu_seconds"], r["seconds"]) for r in rows)
+    assert all(r["tokens_per_cpu_second"] == r["tokens"] / r["cpu_seconds"] for r in rows)
+    assert set(results["machine"]) >= MACHINE_KEYS
+    assert results["machine"]["dtypes"] == {"target": "float32", "draft": "float32"}
+    markdown = (out / "serving.md").read_text()
+    assert (out / "serving.png").is_file() and "C=3" in markdown and "tok/CPU-s" in markdown
+    assert markdown.startswith("machine: ")
     assert main(["bench-serve", "-m", str(target), "--systems", "threads,fast", "--out", str(out)]) == 2
     assert "unknown system 'fast'" in capsys.readouterr().err

@@ -12,18 +12,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import itertools
-import platform
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
-
 from specdecode.backends.hf import HFBackend, LoadOptions
 from specdecode.backends.load import load_backend
+from specdecode.bench.machine import Machine, dtype_of, machine_line
 from specdecode.bench.metrics import summarize
 from specdecode.bench.report import (
     plot_title,
@@ -32,6 +29,7 @@ from specdecode.bench.report import (
     print_tables,
     static_comparison,
     static_lines,
+    stdout_console,
     sweep_lines,
     write_outputs,
 )
@@ -147,10 +145,11 @@ def run_bench(
     sweep_systems = []
     if chosen["sweep"] and draft is not None and tasks[0].name in ("completion", "custom"):
         sweep_systems = [systems[0], *draft_max_systems(chosen["sweep"], target, draft, draft_config)]
+    machine = Machine()
     measurements, sweep = _measure(tasks, systems, sweep_systems, target, chosen, console)
     rows = summarize(measurements)
-    results = {"settings": chosen, "machine": _machine(target), "systems": [s.name for s in systems]}
-    results["date"] = datetime.date.today().isoformat()
+    results = {"settings": chosen, "machine": _machine(machine, target, draft, eagle3)}
+    results |= {"systems": [s.name for s in systems], "date": machine.date}
     results |= {"tasks": {t.name: list(t.prompts) for t in tasks}, "rows": rows, "draft_max_sweep": sweep}
     results["policies"] = {
         system.name: policy_summary(system.policy_models)
@@ -161,7 +160,8 @@ def run_bench(
     if eagle3 is not None:
         header += f" / EAGLE-3 head {args.model_eagle3.name if args.model_eagle3 else '(bundled)'}"
     console.print(header)
-    print_tables(rows, _stdout_console())
+    print(machine_line(results["machine"]))
+    print_tables(rows, stdout_console())
     for line in sweep_lines(sweep):
         print(line)
     for name, summary in results["policies"].items():
@@ -169,7 +169,7 @@ def run_bench(
     results["static_comparison"] = static_comparison(rows)
     for line in static_lines(results["static_comparison"]):
         print(line)
-    written = write_outputs(args.out, results, rows, header)
+    written = write_outputs(args.out, results, rows, f"{header}\n\n{machine_line(results['machine'])}")
     if not args.no_plots:
         written += _plots(rows, sweep, args.out, plot_title(header, results))
     console.print("wrote " + ", ".join(str(path) for path in written))
@@ -236,14 +236,6 @@ def _progress(console: Console, total: int) -> Iterator[Callable[[str, Run], Non
         yield lambda label, run: progress.update(bar, advance=1, description=label)
 
 
-def _stdout_console() -> Console:
-    """The tables' console: a terminal's own width, or wide enough for every column in a file."""
-    from rich.console import Console
-
-    console = Console()
-    return console if console.is_terminal else Console(width=200)
-
-
 def _plots(rows: list[dict], sweep: list[dict], out: Path, title: str) -> list[Path]:
     from specdecode.bench import plots  # matplotlib
 
@@ -256,24 +248,12 @@ def _plots(rows: list[dict], sweep: list[dict], out: Path, title: str) -> list[P
     return written
 
 
-def _machine(target: HFBackend) -> dict:
-    return {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "processor": platform.processor() or platform.machine(),
-        "cpu": _cpu_model(),
-        "threads": torch.get_num_threads(),
-        "device": str(target.device),
-        "gpu": torch.cuda.get_device_name(target.device) if target.device.type == "cuda" else None,
-        "row_invariant": getattr(target, "invariant", None),  # native: by its plans; llama.cpp: probed
-    }
-
-
-def _cpu_model() -> str:
-    """The CPU's model name (Linux's /proc/cpuinfo), else what `platform` knows."""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name":
-                return value.strip()
-    return platform.processor() or platform.machine()
+def _machine(machine: Machine, target: HFBackend, draft: HFBackend | None, eagle3: Eagle3Head | None) -> dict:
+    """The machine block, with the dtype each model ran in and whether the target's passes are
+    row-invariant (native: by its plans; llama.cpp: probed)."""
+    dtypes = {"target": dtype_of(target)}
+    if draft is not None:
+        dtypes["draft"] = dtype_of(draft)
+    if eagle3 is not None:
+        dtypes["eagle3"] = dtype_of(eagle3)
+    return machine.describe(dtypes, str(target.device), row_invariant=getattr(target, "invariant", None))

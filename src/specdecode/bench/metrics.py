@@ -1,9 +1,11 @@
 """From measured runs to the figures the report shows, per task and system.
 
 Speed is end-to-end generated tokens per second (prompt evaluation included, the same for
-every system), as the median over runs with its range; speed-ups are ratios of medians
-measured in the same interleaved run. Counters (acceptance, tokens per pass, time split) are
-sums over all runs, so long and short drafts weigh by their tokens.
+every system), as the median over runs with its range, and beside it tokens per CPU-second of
+this process (its median), which a busy machine's other processes disturb less; speed-ups are
+ratios of the wall-clock medians measured in the same interleaved run. Counters (acceptance,
+tokens per pass, time split) are sums over all runs, so long and short drafts weigh by their
+tokens.
 
 The ideal speed-up is Leviathan et al.'s S(α, γ, c) = (1 − α^(γ+1)) / ((1 − α)(1 + γc)):
 γ is the mean number of drafted tokens per target pass, c the cost of drafting one token
@@ -114,6 +116,9 @@ def summarize(measurements: Sequence[Measurement]) -> list[dict]:
             "tokens_per_second": medians[task, system],
             "tokens_per_second_min": min(speeds),
             "tokens_per_second_max": max(speeds),
+            "cpu_seconds": sum(m.cpu_seconds for m in runs),
+            "seconds": sum(m.seconds for m in runs),
+            "tokens_per_cpu_second": statistics.median(m.tokens_per_cpu_second for m in runs),
             "speedup_vs_plain": _ratio(medians, task, system, "plain"),
             "speedup_vs_hf_plain": _ratio(medians, task, system, "hf-plain"),
             "exact_match_rate": sum(exact) / len(exact) if exact else None,

@@ -2,6 +2,7 @@
 
 Columns, for each system on a task:
   tok/s      generated tokens per second end to end, median over runs (min–max)
+  tok/CPU-s  generated tokens per CPU-second of this process (all its threads), median over runs
   ×plain     speed-up over our plain generation;  ×HF: over Hugging Face's plain `generate`
   accept     accepted / drafted tokens;  tok/pass: tokens emitted per target pass
   nodes/pass draft tokens verified per target pass (a tree's nodes count each)
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
 COLUMNS = (
     "system",
     "tok/s (min–max)",
+    "tok/CPU-s",
     "×plain",
     "×HF",
     "accept",
@@ -58,6 +60,7 @@ def cells(row: dict) -> list[str]:
         row["system"],
         f"{row['tokens_per_second']:.1f} "
         f"({row['tokens_per_second_min']:.1f}–{row['tokens_per_second_max']:.1f})",
+        f"{row['tokens_per_cpu_second']:.1f}",
         _number(row["speedup_vs_plain"], ".2f"),
         _number(row["speedup_vs_hf_plain"], ".2f"),
         _number(speculative["acceptance_rate"], ".2f"),
@@ -87,6 +90,14 @@ def print_tables(rows: Sequence[dict], console: Console) -> None:
         for row in task_rows:
             table.add_row(*cells(row))
         console.print(table)
+
+
+def stdout_console() -> Console:
+    """The tables' console: a terminal's own width, or wide enough for every column in a file."""
+    from rich.console import Console
+
+    console = Console()
+    return console if console.is_terminal else Console(width=200)
 
 
 def markdown(rows: Sequence[dict], header: str) -> str:

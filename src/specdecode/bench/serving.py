@@ -17,6 +17,8 @@ A closed loop of C clients, each sending its next request as soon as its last on
 For each concurrency, every system runs back to back, so that the ratios printed compare runs
 made minutes apart at most on a machine whose load drifts. Every answer of every system is
 checked against the `threads` answer to the same request (all must be plain greedy output).
+Clients, engine and passes all run as threads of this process, so its own CPU time (see
+`bench.machine`) is the whole cost of a run: no child process to account for.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from specdecode.api import Pipeline
 from specdecode.backends.gather import DraftPasses
 from specdecode.backends.hf import LoadOptions
 from specdecode.backends.load import load_backend
+from specdecode.bench.machine import Machine, Stopwatch, dtype_of, machine_line
 from specdecode.bench.systems import ADAPTIVE
 from specdecode.bench.tasks import build_tasks
 from specdecode.defaults import resolve_models
@@ -59,6 +62,7 @@ class Level:
     requests: int
     tokens: int
     seconds: float
+    cpu_seconds: float  # this process's: clients, engine and torch all run in it, as threads
     latencies: list[float]
     exact: int  # answers equal to the `threads` answer to the same request
     mean_batch: float  # sequences per target pass (1 for threads)
@@ -73,6 +77,8 @@ class Level:
             "tokens": self.tokens,
             "seconds": self.seconds,
             "tokens_per_second": self.tokens / self.seconds,
+            "cpu_seconds": self.cpu_seconds,
+            "tokens_per_cpu_second": self.tokens / self.cpu_seconds,
             "p50_s": statistics.median(ordered),
             "p99_s": ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))],
             "draft_tokens_per_step": self.drafted,
@@ -100,6 +106,8 @@ def run(args: argparse.Namespace) -> None:
     config = GenerationConfig(n_predict=args.n_predict, ignore_eos=True)
     draft_config = DraftModelConfig(n_max=args.draft_max, p_min=args.draft_p_min)
     rule = LoadRule.timed(target.fork())
+    dtypes = {"target": dtype_of(target)} | ({"draft": dtype_of(draft)} if draft is not None else {})
+    machine = Machine()
     console.print(
         f"target {model}  draft {draft_dir}  device {args.device}  {args.n_predict} tokens a request"
     )
@@ -117,13 +125,14 @@ def run(args: argparse.Namespace) -> None:
             level.exact = sum(a == b for a, b in zip(answers, reference, strict=True))
             rows.append(level.row())
             console.print(_line(rows[-1]))
-    table = _table(rows, systems, levels)
-    console.print(table)
+    described = machine.describe(dtypes, args.device)
+    print(machine_line(described))  # plain: one line, however long
+    console.print(_table(rows, systems, levels))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(
-        json.dumps({"rows": rows, "args": _jsonable(vars(args))}, indent=2)
+        json.dumps({"machine": described, "rows": rows, "args": _jsonable(vars(args))}, indent=2)
     )
-    (args.out / "serving.md").write_text(markdown(rows, systems, levels))
+    (args.out / "serving.md").write_text(machine_line(described) + "\n\n" + markdown(rows, systems, levels))
     plot = _plot(rows, systems, args.out / "serving.png")
     console.print(f"wrote {args.out / 'results.json'}, {args.out / 'serving.md'}, {plot}")
 
@@ -183,15 +192,15 @@ def _threads(
                 latencies.append(time.perf_counter() - start)
                 answers[index] = result.tokens
 
-    start = time.perf_counter()
+    began = Stopwatch()
     workers = [threading.Thread(target=client, args=(seat,)) for seat in seats]
     for worker in workers:
         worker.start()
     for worker in workers:
         worker.join()
-    seconds = time.perf_counter() - start
+    seconds, cpu_seconds = began.elapsed()
     tokens = sum(len(a) for a in answers)
-    return Level(name, len(seats), len(requests), tokens, seconds, latencies, 0, 1.0), answers
+    return Level(name, len(seats), len(requests), tokens, seconds, cpu_seconds, latencies, 0, 1.0), answers
 
 
 def _batched(
@@ -218,19 +227,22 @@ def _batched(
         drafted += entry.generation.stats.totals.n_drafted
         steps += entry.generation.stats.n_passes
 
-    first = time.perf_counter()
+    first = Stopwatch()
     engine.run(seats, len(requests), start, done)
-    seconds = time.perf_counter() - first
+    seconds, cpu_seconds = first.elapsed()
     tokens = sum(len(a) for a in answers)
     mean_batch = sum(passes) / len(passes) if passes else 0.0
     per_step = drafted / steps if steps else 0.0  # -n 1: the prompt's pass makes every token
-    level = Level(name, len(seats), len(requests), tokens, seconds, latencies, 0, mean_batch, per_step)
+    level = Level(
+        name, len(seats), len(requests), tokens, seconds, cpu_seconds, latencies, 0, mean_batch, per_step
+    )
     return level, answers
 
 
 def _line(row: dict) -> str:
     return (
         f"C={row['concurrency']:<3d} {row['system']:<22s} {row['tokens_per_second']:8.1f} tok/s  "
+        f"{row['tokens_per_cpu_second']:8.1f} tok/CPU-s  "
         f"p50 {row['p50_s']:6.2f} s  p99 {row['p99_s']:6.2f} s  batch {row['mean_batch']:5.2f}  "
         f"drafted {row['draft_tokens_per_step']:5.2f}/step  exact {row['exact']}/{row['requests']}"
     )
@@ -267,13 +279,13 @@ def _baseline(systems: list[str], position: int) -> str:
 def _table(rows: list[dict], systems: list[str], levels: list[int]) -> Table:
     from rich.table import Table
 
-    table = Table(title="tokens/s (p50 latency s) by concurrency; x: vs its baseline")
+    table = Table(title="tok/s, tok/CPU-s (p50 latency s) by concurrency; x: tok/s vs its baseline")
     table.add_column("system")
     for c in levels:
         table.add_column(f"C={c}", justify="right")
 
     def cell(row: dict, ratio: float | None) -> str:
-        text = f"{row['tokens_per_second']:.0f} ({row['p50_s']:.2f})"
+        text = f"{row['tokens_per_second']:.0f}, {row['tokens_per_cpu_second']:.0f} ({row['p50_s']:.2f})"
         return text if ratio is None else f"{text} {ratio:.2f}x"
 
     for name, cells in _grid(rows, systems, levels, cell):
@@ -283,7 +295,10 @@ def _table(rows: list[dict], systems: list[str], levels: list[int]) -> Table:
 
 def markdown(rows: list[dict], systems: list[str], levels: list[int]) -> str:
     def cell(row: dict, ratio: float | None) -> str:
-        text = f"{row['tokens_per_second']:.0f} tok/s, p50 {row['p50_s']:.2f} s, p99 {row['p99_s']:.2f} s"
+        text = (
+            f"{row['tokens_per_second']:.0f} tok/s, {row['tokens_per_cpu_second']:.0f} tok/CPU-s, "
+            f"p50 {row['p50_s']:.2f} s, p99 {row['p99_s']:.2f} s"
+        )
         return text if ratio is None else f"{text}, **{ratio:.2f}x**"
 
     lines = ["| system | " + " | ".join(f"C={c}" for c in levels) + " |", "|---|" + "---:|" * len(levels)]

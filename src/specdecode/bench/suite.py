@@ -25,6 +25,7 @@ class Measurement:
     system: str
     family: str
     seconds: float
+    cpu_seconds: float  # this process's CPU time over the run, all threads
     tokens: list[int]
     stats: GenerationStats | None
     sampled: bool = False  # the task samples (seeded) rather than decoding greedily
@@ -32,6 +33,10 @@ class Measurement:
     @property
     def tokens_per_second(self) -> float:
         return len(self.tokens) / self.seconds
+
+    @property
+    def tokens_per_cpu_second(self) -> float:
+        return len(self.tokens) / self.cpu_seconds
 
 
 def rounds(systems: Sequence[System], runs: int, warmup: int) -> list[tuple[bool, list[System]]]:
@@ -73,6 +78,7 @@ def run_suite(
                                 system.name,
                                 system.family,
                                 run.seconds,
+                                run.cpu_seconds,
                                 run.tokens,
                                 run.stats,
                                 not sampling.greedy,

@@ -14,7 +14,6 @@ run's (draft@0.3/6): the static settings an adaptive system is compared with.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
@@ -25,6 +24,7 @@ from transformers.utils import logging as hf_logging
 
 from specdecode.api import Pipeline
 from specdecode.backends.hf import HFBackend
+from specdecode.bench.machine import Stopwatch
 from specdecode.errors import SpecdecodeError
 from specdecode.generate import GenerationConfig
 from specdecode.policy import PolicyModels
@@ -51,6 +51,7 @@ ADAPTIVE = "@adaptive"
 class Run:
     tokens: list[int]
     seconds: float
+    cpu_seconds: float  # this process's CPU time over the run (see `bench.machine.Stopwatch`)
     stats: GenerationStats | None  # ours only: Hugging Face reports no counters
 
 
@@ -82,9 +83,9 @@ class OursSystem:
         for backend in (pipeline.target, pipeline.draft):
             if backend is not None:
                 backend.truncate(0)
-        began = time.perf_counter()
+        began = Stopwatch()
         result = pipeline.generate(prompt, sampling, config)
-        return Run(result.tokens, time.perf_counter() - began, result.stats)
+        return Run(result.tokens, *began.elapsed(), result.stats)
 
 
 class HFSystem:
@@ -116,7 +117,7 @@ class HFSystem:
             **sampled,
             **self.options,
         )
-        began = time.perf_counter()
+        began = Stopwatch()
         ids = torch.tensor([prompt], device=self.model.device)
         with torch.inference_mode():
             out = self.model.generate(
@@ -126,7 +127,7 @@ class HFSystem:
                 assistant_model=self.assistant,
             )
         tokens = out[0, len(prompt) :].tolist()
-        return Run(tokens, time.perf_counter() - began, None)
+        return Run(tokens, *began.elapsed(), None)
 
 
 def system_names(has_draft: bool, include_hf: bool, has_eagle3: bool = False) -> list[str]:
