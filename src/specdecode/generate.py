@@ -145,9 +145,7 @@ class Generation:
         call leaves."""
         if self._prefilled is None:
             self._start = time.perf_counter()
-            # Reuse the longest cached prefix; the last prompt token is evaluated in any case,
-            # since its logits are needed.
-            self._prefilled = min(common_prefix(self.target.tokens, self.prompt), len(self.prompt) - 1)
+            self._prefilled = reusable_prompt_prefix(self.target, self.prompt)
             self.target.truncate(self._prefilled)
         size = getattr(self.target, "n_batch", len(self.prompt))
         chunk = self.prompt[self._prefilled : self._prefilled + size]
@@ -287,6 +285,16 @@ class Generation:
         if self.config.n_predict < 0:
             return self.target.n_ctx
         return self.config.n_predict - len(self.tokens)
+
+
+def reusable_prompt_prefix(target: Backend, prompt: Sequence[int]) -> int:
+    """How many of the prompt's tokens the target's cache may keep: the longest cached prefix,
+    less the last prompt token (evaluated in any case, since its logits are needed), less what a
+    backend whose rows depend on their pass's shape cannot reuse bit for bit (its
+    `reusable_prefix`, e.g. `LlamaCppBackend.reusable_prefix`)."""
+    cached = min(common_prefix(target.tokens, prompt), len(prompt) - 1)
+    reusable = getattr(target, "reusable_prefix", None)
+    return cached if reusable is None else reusable(cached)
 
 
 def check_room(prompt: Sequence[int], n_predict: int, n_ctx: int) -> None:

@@ -12,6 +12,13 @@ earlier pass first joins its parent's sequence (`llama_memory_seq_cp`), which ho
 and every ancestor. `commit(path)` drops the tree's cells and owes the path: its tokens are
 scored again as the first rows of the next pass, so that the cache holds every position in
 position order, as plain generation leaves it (see `commit`).
+
+A prompt found in the cache must give the bits it gives a fresh context, and llama.cpp rounds
+a row by the shape of its pass (a prompt's last row scored in a pass of 100 rows differed from
+the same row scored alone on a Q8_0 file whose passes of up to 64 rows agreed, past the sizes
+the probe tries). So a prompt keeps only the cached prefix that a fresh run would have built the same way,
+whole `n_batch` chunks from position 0, and scores the rest in the chunks a fresh run scores
+it in (see `reusable_prefix`).
 """
 
 from __future__ import annotations
@@ -183,6 +190,7 @@ class LlamaCppBackend:
         self._batch = llama_cpp.llama_batch_init(self._batch_rows, 0, MAX_SEQUENCES)
         self._tokens: list[int] = []  # ids of the cached positions, then the owed ones
         self._owed: list[int] = []  # committed tree tokens not in the cache yet (see commit)
+        self._fresh = 0  # leading cached positions scored in whole chunks, as a fresh prompt's are
         self._tree = PendingTree()
         self._texts: list[str] | None = None
         self.vocab = self._vocab_info()
@@ -357,6 +365,8 @@ class LlamaCppBackend:
             for row, token in enumerate(chunk):
                 self._set_row(row, token, position + start + row, (0,), start + row >= first_wanted)
             outputs = self._decode(len(chunk))
+            if position + start == self._fresh and len(chunk) == self.n_batch:
+                self._fresh += len(chunk)
             if len(outputs):
                 out.append(outputs)
         self._tokens.extend(rows_in[owed:])
@@ -377,6 +387,19 @@ class LlamaCppBackend:
                 raise SpecdecodeError(f"{self.name}: llama.cpp cannot roll this model's cache back")
             self._owed.clear()
         del self._tokens[n:]
+        self._fresh = min(self._fresh, n)
+
+    def reusable_prefix(self, cached: int) -> int:
+        """How many of the first `cached` positions (which hold a new prompt's tokens) the
+        prompt may keep: the longest run of whole chunks that a fresh context would have scored
+        in the same passes. The prompt's remaining chunks then start where a fresh run's do, so
+        every pass, its last one included, has the shape it has in a fresh run, on the same
+        cached bits: the same output, bit for bit, in any build. Keeping the last prompt row's
+        logits instead would serve only the same prompt again, and scoring that row in a pass
+        of its own would still leave the rows before it (in the cache, read by every later row)
+        from a pass of another shape whenever the cached prefix ends elsewhere. The price: a
+        prompt shorter than `n_batch` is scored whole each time."""
+        return min(cached, self._fresh) // self.n_batch * self.n_batch
 
     def evaluate_tree(self, ids: Sequence[int], parents: Sequence[int]) -> torch.Tensor:
         """See `specdecode.backends.Backend.evaluate_tree` and the module's docstring."""

@@ -28,10 +28,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from specdecode.api import Pipeline
-from specdecode.backends import common_prefix
 from specdecode.backends.gather import DraftPasses
 from specdecode.constraints import ConstraintSpec
-from specdecode.generate import Chunk, Generation, GenerationConfig
+from specdecode.generate import Chunk, Generation, GenerationConfig, reusable_prompt_prefix
 from specdecode.sampling import SamplingParams
 from specdecode.scheduler import BatchEngine, Entry, LoadRule, PassRecord
 from specdecode.server.metrics import Metrics
@@ -218,7 +217,7 @@ class SlotPool:
         try:
             if not job.cache_prompt:
                 pipeline.target.truncate(0)
-            run.n_cached = min(common_prefix(pipeline.target.tokens, job.prompt), len(job.prompt) - 1)
+            run.n_cached = reusable_prompt_prefix(pipeline.target, job.prompt)
             generation = pipeline.stream(
                 job.prompt, job.sampling, job.config, draft_config=job.draft, constraint=job.constraint
             )
