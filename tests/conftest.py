@@ -12,6 +12,7 @@ import difflib
 import functools
 import inspect
 import os
+import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +39,8 @@ torch.set_num_threads(1)
 # Pass timings are never read from or written to the user's cache (and a test that times passes
 # must time them); tests of that cache turn it back on in a temporary directory.
 os.environ["SPECDECODE_NO_PASS_CACHE"] = "1"
+# Nor is anything else cached there (tokenizers built from GGUF files): a fresh cache per session.
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="specdecode-test-cache-")
 
 # Draft kinds: perturbed copies at these noise levels, or an unrelated model.
 NOISES = (0.0, 0.02, 0.1, 0.5)

@@ -14,7 +14,8 @@ the `gguf` package (llama.cpp's own Python writer and quantizer). Two details ca
 `load_gguf_model` is the route without llama.cpp's runtime: transformers' GGUF loader
 dequantizes the weights (with the `gguf` package) into an ordinary model, which the native or
 transformers' forward then runs in PyTorch; slower than llama.cpp's kernels on a CPU, but the
-same file works without the compiled extra.
+same file works without the compiled extra. The tokenizer transformers builds from the file's
+vocabulary (minutes for a large one) is built once and cached (`load_gguf_tokenizer`).
 
 The `gguf` package is imported only when a GGUF file is read or written (the `gguf` extra), so
 `is_gguf` and the names of the formats cost nothing where it is not installed.
@@ -22,15 +23,21 @@ The `gguf` package is imported only when a GGUF file is read or written (the `gg
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
+import os
+import shutil
+import tempfile
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+import transformers
 from tokenizers import Tokenizer
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig, PreTrainedTokenizerFast
 
 from specdecode.backends.hf import check_model_directory, load_model_config, load_tokenizer
 from specdecode.backends.native import native_unsupported
@@ -40,6 +47,8 @@ from specdecode.errors import SpecdecodeError, require
 
 if TYPE_CHECKING:
     import gguf
+
+TOKENIZER_CACHE_FORMAT = 1  # of the cached tokenizers: a new format builds them again
 
 
 def _gguf() -> ModuleType:
@@ -148,6 +157,8 @@ def _write_tokenizer(writer: gguf.GGUFWriter, tokenizer, config) -> None:
     bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
     writer.add_add_bos_token(bos is not None and with_special[:1] == [bos] and plain[:1] != [bos])
     writer.add_add_eos_token(eos is not None and with_special[-1:] == [eos] and plain[-1:] != [eos])
+    if isinstance(tokenizer.chat_template, str):  # as llama.cpp's converter: chat runs from the file
+        writer.add_chat_template(tokenizer.chat_template)
 
 
 def _gguf_tensors(model, config):
@@ -200,12 +211,16 @@ def _add_tensor(writer: gguf.GGUFWriter, name: str, tensor: np.ndarray, fmt: str
         writer.add_tensor(name, gguf.quants.quantize(tensor, qtype), raw_dtype=qtype)
 
 
-def load_gguf_model(path: Path, dtype: torch.dtype):
-    """(model, tokenizer) from a GGUF file through transformers' loader (dequantized)."""
+def load_gguf_model(path: Path, dtype: torch.dtype, dense: bool = False):
+    """(model, tokenizer) from a GGUF file through transformers' loader (dequantized).
+
+    dense: unpack every weight into a plain tensor even where transformers could keep it in
+    GGUF blocks for its matmul kernels, as a directory written from the model needs."""
     _gguf()  # transformers' loader reads the file with it
+    packing = {"quantization_config": GgufConfig(dequantize=True)} if dense else {}
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            path.parent, gguf_file=path.name, dtype=dtype, local_files_only=True
+            path.parent, gguf_file=path.name, dtype=dtype, local_files_only=True, **packing
         )
     except Exception as exc:  # transformers raises many types for files it cannot map
         raise SpecdecodeError(
@@ -214,15 +229,77 @@ def load_gguf_model(path: Path, dtype: torch.dtype):
     return model, load_gguf_tokenizer(path)
 
 
+def tokenizer_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "specdecode" / "gguf-tokenizers"
+
+
 def load_gguf_tokenizer(path: Path):
-    """The tokenizer a GGUF file describes, as transformers builds it (all `lookup` needs)."""
+    """The tokenizer a GGUF file describes, as transformers builds it (all `lookup` needs).
+
+    transformers builds it from the vocabulary in Python, which takes minutes for a vocabulary of
+    tens of thousands of tokens; so it is built once and kept under `tokenizer_cache_dir()`, keyed
+    by the file's tokenizer metadata (a copy of the file, or another quantization of the same
+    model, finds it). An entry that cannot be read is built again and replaced, never an error."""
     gguf = _gguf()
     try:
+        reader = gguf.GGUFReader(path)
+        rows = len(reader.fields["tokenizer.ggml.tokens"].data)
+    except Exception as exc:  # the reader raises many types for a malformed file
+        raise SpecdecodeError(f"cannot read the tokenizer of {path}: {_last_line(exc)}") from None
+    entry = tokenizer_cache_dir() / _tokenizer_key(reader)
+    cached = _read_cached_tokenizer(entry)
+    if cached is not None:
+        return cached
+    tokenizer = build_gguf_tokenizer(path, rows)
+    _write_cached_tokenizer(tokenizer, entry)
+    return tokenizer
+
+
+def build_gguf_tokenizer(path: Path, rows: int):
+    """The tokenizer transformers converts from the file's vocabulary (the slow step), without
+    tokens past the model's `rows`."""
+    try:
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
-        rows = len(gguf.GGUFReader(path).fields["tokenizer.ggml.tokens"].data)
     except Exception as exc:  # as above
         raise SpecdecodeError(f"cannot read the tokenizer of {path}: {_last_line(exc)}") from None
     return _without_foreign_tokens(tokenizer, rows)
+
+
+def _tokenizer_key(reader: gguf.GGUFReader) -> str:
+    """SHA-256 of everything the built tokenizer depends on: the file's tokenizer fields (their
+    bytes as stored, name included), its architecture, and the converter (transformers' version)."""
+    digest = hashlib.sha256(f"{TOKENIZER_CACHE_FORMAT} {transformers.__version__}".encode())
+    for name in sorted(reader.fields):
+        if name.startswith("tokenizer.") or name == "general.architecture":
+            field = reader.fields[name]
+            size = sum(part.nbytes for part in field.parts)
+            digest.update(reader.data[field.offset : field.offset + size].tobytes())
+    return digest.hexdigest()
+
+
+def _read_cached_tokenizer(entry: Path):
+    """The tokenizer stored in `entry`, or None where there is none usable."""
+    if not (entry / "tokenizer.json").is_file():
+        return None
+    try:
+        return PreTrainedTokenizerFast.from_pretrained(entry, local_files_only=True)
+    except Exception:  # a damaged entry fails in many ways; it is built again
+        return None
+
+
+def _write_cached_tokenizer(tokenizer, entry: Path) -> None:
+    """Store `tokenizer` in `entry` whole or not at all: written to a temporary directory beside
+    it, then renamed. Where the cache cannot be written, the tokenizer is simply not kept."""
+    with contextlib.suppress(OSError, RuntimeError):  # RuntimeError: no home directory
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=entry.parent))
+        try:
+            tokenizer.save_pretrained(staging)
+            shutil.rmtree(entry, ignore_errors=True)  # a damaged entry, replaced
+            staging.rename(entry)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)  # left only where the rename failed
 
 
 def _last_line(exc: Exception) -> str:
@@ -246,4 +323,5 @@ def _without_foreign_tokens(tokenizer, rows: int):
     cleaned = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(spec)), **special)
     cleaned.add_bos_token = getattr(tokenizer, "add_bos_token", False)
     cleaned.add_eos_token = getattr(tokenizer, "add_eos_token", False)
+    cleaned.chat_template = tokenizer.chat_template
     return cleaned

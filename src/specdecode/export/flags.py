@@ -1,5 +1,5 @@
-"""The flags of `specdecode export`, kept apart from the exporters, which import torch: building
-the command line (and answering --help or a mistyped flag) imports nothing heavy."""
+"""The flags of `specdecode export` and `convert`, kept apart from the exporters, which import
+torch: building the command line (and answering --help or a mistyped flag) imports nothing heavy."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from pathlib import Path
 from specdecode.config import GGUF_FORMATS, LLAMA_CPP_FORMATS
 
 ENGINES = ("vllm", "sglang", "llama.cpp")
+CONVERT_DTYPES = ("float32", "bfloat16", "float16")  # the first is the default
 
 
 def add_export_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -61,3 +62,28 @@ def run_export(args: argparse.Namespace) -> None:
     from specdecode.export import command
 
     command.run_export(args)
+
+
+def add_convert_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "convert",
+        help="a GGUF file as a Hugging Face model directory (dequantized weights, tokenizer, chat template)",
+        epilog="example:\n  specdecode convert model.gguf model-hf",
+    )
+    parser.add_argument("gguf", type=Path, metavar="MODEL.gguf", help="the GGUF file")
+    parser.add_argument("out", type=Path, metavar="DIR", help="the directory to write")
+    parser.add_argument(
+        "--dtype",
+        choices=CONVERT_DTYPES,
+        default=CONVERT_DTYPES[0],
+        help="weight dtype (default: float32, the one that holds every dequantized weight exactly, so "
+        "the directory gives the file's logits; bfloat16 halves the size at a rounding)",
+    )
+    parser.add_argument("--force", action="store_true", help="write into DIR even if it is not empty")
+    parser.set_defaults(handler=run_convert)
+
+
+def run_convert(args: argparse.Namespace) -> None:
+    from specdecode.export import convert
+
+    convert.run_convert(args)
