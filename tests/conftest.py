@@ -7,11 +7,13 @@ made per use (`ModelZoo.backend`), so tests never see each other's cache state.
 
 from __future__ import annotations
 
+import atexit
 import copy
 import difflib
 import functools
 import inspect
 import os
+import shutil
 import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
@@ -39,8 +41,10 @@ torch.set_num_threads(1)
 # Pass timings are never read from or written to the user's cache (and a test that times passes
 # must time them); tests of that cache turn it back on in a temporary directory.
 os.environ["SPECDECODE_NO_PASS_CACHE"] = "1"
-# Nor is anything else cached there (tokenizers built from GGUF files): a fresh cache per session.
+# Nor is anything else cached there (tokenizers built from GGUF files): a fresh cache per
+# session, removed at its end (the bundled models decoded into it are tens of MB).
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="specdecode-test-cache-")
+atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], ignore_errors=True)
 
 # Draft kinds: perturbed copies at these noise levels, or an unrelated model.
 NOISES = (0.0, 0.02, 0.1, 0.5)
