@@ -225,6 +225,16 @@ def test_systems_start_with_plain_whatever_the_order_asked(pair):
     assert [s.name for s in systems] == ["plain", "ngram-simple", "hf-plain"]
 
 
+def test_any_chain_of_available_strategies_is_a_system(pair):
+    target = HFBackend.load(pair[0])
+    names = ["ngram-mod,ngram-map-k", "ngram-simple,ngram-mod@adaptive"]
+    systems = build_systems(names, target, None, DraftModelConfig(), NgramSettings())
+    assert [s.name for s in systems] == ["plain", *names]
+    for refused in ("ngram-simple,draft", "ngram-mod,ngram-mod", "ngram-simple,bogus"):
+        with pytest.raises(SpecdecodeError, match=f"unavailable system '{refused}'"):
+            build_systems([refused], target, None, DraftModelConfig(), NgramSettings())
+
+
 def test_acceptance_plot_pools_positions_where_late_positions_were_never_accepted(tmp_path):
     rows = [
         {"system": "draft", "accepted_by_position": [3], "drafted_by_position": [4, 2, 1]},

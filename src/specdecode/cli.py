@@ -30,6 +30,7 @@ from specdecode.bench.flags import (
     add_bench_passes_parser,
     add_bench_serve_parser,
 )
+from specdecode.chat import add_chat_args, chat_from_args
 from specdecode.config import (
     BACKENDS,
     DTYPE_NAMES,
@@ -46,7 +47,7 @@ from specdecode.config import (
     spec_type_name,
 )
 from specdecode.errors import SpecdecodeError, missing_package, read_text_file
-from specdecode.export.flags import add_export_parser
+from specdecode.export.flags import add_convert_parser, add_export_parser
 from specdecode.loadtest import add_loadtest_parser
 from specdecode.server.settings import add_server_args, settings_from_args
 from specdecode.train.flags import add_eval_parser, add_train_parser
@@ -597,11 +598,14 @@ def run_generate(args: argparse.Namespace) -> None:
 
     started = time.perf_counter()
     prompt = read_prompt(args)  # the flags' mistakes first, before the models load
+    chat = chat_from_args(args)
     constraint = constraint_from_args(args)
     sampling = sampling_from_args(args)
     config = GenerationConfig(args.n_predict, tuple(args.stop or ()), args.verify, args.ignore_eos)
     pipeline = pipeline_from_args(args)
     say(f"ready in {time.perf_counter() - started:.1f} s")
+    if chat is not None:  # tokenized as the server tokenizes a chat, by the model's tokenizer
+        prompt = chat.ids(pipeline.target.tokenizer, prompt, pipeline.target.name)
     run = pipeline.stream(prompt, sampling, config, constraint=constraint)
     for chunk in run:
         if args.stream and not args.json:
@@ -669,6 +673,7 @@ def add_generate_parser(commands: argparse._SubParsersAction) -> None:
     )
     gen.add_argument("--stream", action="store_true", help="print text as tokens are accepted")
     gen.add_argument("--json", action="store_true", help='print one JSON object {"text", "tokens", "stats"}')
+    add_chat_args(gen.add_argument_group("chat models"))
     add_constraint_args(gen)
     add_model_args(gen)
     add_spec_args(gen)
@@ -767,6 +772,7 @@ def build_parser() -> Parser:
     add_lookup_parser(commands)
     add_train_parser(commands)
     add_export_parser(commands)
+    add_convert_parser(commands)
     add_eval_parser(commands)
     add_bench_draft_parser(commands)
     add_bench_passes_parser(commands)

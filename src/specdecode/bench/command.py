@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import itertools
 import sys
 from collections.abc import Callable, Iterator
@@ -35,7 +36,8 @@ from specdecode.bench.report import (
 )
 from specdecode.bench.suite import Measurement, rounds, run_suite
 from specdecode.bench.systems import Run, System, build_systems, draft_max_systems, static_grid, system_names
-from specdecode.bench.tasks import Task, build_tasks, custom_task
+from specdecode.bench.tasks import Task, as_chats, build_tasks, custom_task
+from specdecode.chat import chat_from_args, encode_rendered
 from specdecode.defaults import resolve_eagle3, resolve_models
 from specdecode.errors import SpecdecodeError, read_text_file, require
 from specdecode.generate import check_room
@@ -123,11 +125,16 @@ def run_bench(
     read as generate reads them (the tree systems' defaults are bench's own)."""
     chosen = settings(args)
     tasks = bench_tasks(args, chosen["prompts_per_task"])
+    chat = chat_from_args(args)
     # the bench extra (rich, and matplotlib for the plots): missing, said before any model loads
     console = require("rich.console", "specdecode bench").Console(stderr=True)
     if not args.no_plots:
         require("matplotlib", "specdecode bench (without --no-plots)")
     target, draft, eagle3 = load_models(args, target_options, draft_options)
+    tokenize = target.tokenize
+    if chat is not None:  # rendered and tokenized as generate --chat and the server do
+        tasks = as_chats(tasks, lambda prompt: chat.text(target.tokenizer, prompt, target.name))
+        tokenize = functools.partial(encode_rendered, target.tokenizer)
     names = (
         [name.strip().replace("+", ",") for name in args.systems.split(",")]
         if args.systems
@@ -141,12 +148,12 @@ def run_bench(
     systems = build_systems(names, target, draft, draft_config, ngram, eagle3)
     for task in tasks:
         for prompt in task.prompts:
-            check_room(target.tokenize(prompt), chosen["n_predict"], target.n_ctx)
+            check_room(tokenize(prompt), chosen["n_predict"], target.n_ctx)
     sweep_systems = []
     if chosen["sweep"] and draft is not None and tasks[0].name in ("completion", "custom"):
         sweep_systems = [systems[0], *draft_max_systems(chosen["sweep"], target, draft, draft_config)]
     machine = Machine()
-    measurements, sweep = _measure(tasks, systems, sweep_systems, target, chosen, console)
+    measurements, sweep = _measure(tasks, systems, sweep_systems, tokenize, chosen, console)
     rows = summarize(measurements)
     results = {"settings": chosen, "machine": _machine(machine, target, draft, eagle3)}
     results |= {"systems": [s.name for s in systems], "date": machine.date}
@@ -179,7 +186,7 @@ def _measure(
     tasks: list[Task],
     systems: list[System],
     sweep_systems: list[System],
-    target: HFBackend,
+    tokenize: Callable[[str], list[int]],
     chosen: dict,
     console: Console,
 ) -> tuple[list[Measurement], list[dict]]:
@@ -192,13 +199,13 @@ def _measure(
         total += sweep_rounds * len(sweep_systems) * len(tasks[0].prompts)
     with _progress(console, total) as advance:
         measured = run_suite(
-            tasks, systems, target.tokenize, chosen["n_predict"], chosen["runs"], chosen["warmup"], advance
+            tasks, systems, tokenize, chosen["n_predict"], chosen["runs"], chosen["warmup"], advance
         )
         sweep_measured = (
             run_suite(
                 tasks[:1],
                 sweep_systems,
-                target.tokenize,
+                tokenize,
                 chosen["n_predict"],
                 chosen["runs"],
                 chosen["warmup"],

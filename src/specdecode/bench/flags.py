@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from specdecode.chat import add_chat_args
 from specdecode.config import BACKENDS, DTYPE_NAMES, DraftModelConfig
 
 TASK_NAMES = ("completion", "editing", "extraction", "free", "free-t1")
@@ -51,6 +52,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     group.add_argument("--no-hf", action="store_true", help="leave Hugging Face's generate out")
     group.add_argument("-p", "--prompt", action="append", help="your own prompt (repeatable): a custom task")
     group.add_argument("-f", "--file", action="append", help="a file whose text is one custom prompt")
+    add_chat_args(group)  # every task's prompt becomes the user's message
     group.add_argument("--prompts-per-task", type=int, help="prompts per task (quick 1, full 3)")
     group.add_argument("-n", "--n-predict", type=int, help="tokens generated per run (quick 32, full 128)")
     group.add_argument("--runs", type=int, help="measured runs per prompt and system (quick 1, full 3)")

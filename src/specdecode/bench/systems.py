@@ -153,10 +153,12 @@ def build_systems(
     known = system_names(draft is not None, include_hf=True, has_eagle3=eagle3 is not None)
     ours = [name for name in known if not name.startswith("hf-") and name != "plain"]
     known += [name + ADAPTIVE for name in ours]
-    unknown = [name for name in names if static_base(name) not in known]
+    strategies = chain_parts(draft is not None, eagle3 is not None)
+    unknown = [name for name in names if static_base(name) not in known and not is_chain(name, strategies)]
     if unknown:
         raise SpecdecodeError(
             f"unknown or unavailable system {unknown[0]!r} (with these models: {', '.join(known)}; "
+            f"a chain joins distinct ones of {', '.join(strategies)}; "
             "a classic one may end in @P/N for --spec-draft-p-min P and --spec-draft-n-max N)"
         )
     ordered = ["plain", *(name for name in known if name in names and name != "plain")]
@@ -205,6 +207,24 @@ def _system(
         ),
         models,
     )
+
+
+def chain_parts(has_draft: bool, has_eagle3: bool) -> list[str]:
+    """The strategies a chain of these models may join."""
+    parts = [*MODEL_FREE]
+    if has_draft:
+        parts += ["draft", "draft-tree"]
+    if has_eagle3:
+        parts += ["eagle3", "eagle3-tree"]
+    return parts
+
+
+def is_chain(name: str, strategies: Sequence[str]) -> bool:
+    """Whether a system name (less any @adaptive or @P/N) joins distinct `strategies` with commas:
+    any chain is a system, not only the ones the suite runs by default (ngram-simple,ngram-mod)."""
+    parts = static_base(name).removesuffix(ADAPTIVE).split(",")
+    runs = [TREES.get(part, part) for part in parts]  # draft-tree drafts as draft does
+    return set(parts) <= set(strategies) and len(set(runs)) == len(runs)
 
 
 def static_base(name: str) -> str:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import ast
 import textwrap
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from specdecode.bench.flags import TASK_NAMES
@@ -173,6 +173,11 @@ def build_tasks(names: Sequence[str], per_task: int, files: Sequence[Path] | Non
             raise SpecdecodeError(f"the held-out files give no prompt for the {name} task")
         built[name] = Task(name, tuple(prompts), TEMPERATURES.get(name, 0.0))
     return [built[name] for name in names]
+
+
+def as_chats(tasks: Sequence[Task], render: Callable[[str], str]) -> list[Task]:
+    """The tasks with each prompt rendered as the user's message of a chat (`bench --chat`)."""
+    return [replace(task, prompts=tuple(render(prompt) for prompt in task.prompts)) for task in tasks]
 
 
 def custom_task(prompts: Sequence[str]) -> Task:

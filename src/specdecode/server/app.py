@@ -28,10 +28,11 @@ from pydantic import BaseModel, ValidationError
 
 from specdecode.api import Pipeline
 from specdecode.backends.gather import DraftPasses
+from specdecode.chat import encode
 from specdecode.constraints import compile_constraint, grammar_tokenizer
 from specdecode.errors import SpecdecodeError
 from specdecode.generate import Chunk, Generation, GenerationConfig
-from specdecode.server.chat import chat_prompt_ids, encode, template
+from specdecode.server.chat import chat_prompt_ids, template
 from specdecode.server.errors import (
     NOT_SUPPORTED,
     APIError,

@@ -1,7 +1,7 @@
-"""Chat messages -> prompt ids, through the tokenizer's chat template.
+"""Chat messages -> prompt ids, through the tokenizer's chat template (`specdecode.chat`).
 
-A tokenizer without a template (base models, the bundled pair) gets a plain one, one line per
-message and an open assistant turn:
+A tokenizer without a template (base models, the bundled pair) gets a plain one here, one line
+per message and an open assistant turn (the command line asks for a template instead):
 
     system: You are terse.
     user: Hello
@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 from transformers import PreTrainedTokenizerBase
 
+from specdecode import chat
 from specdecode.server.schemas import Message
 
 DEFAULT_TEMPLATE = (
@@ -22,36 +23,19 @@ DEFAULT_TEMPLATE = (
 )
 
 
+def template(tokenizer: PreTrainedTokenizerBase) -> str:
+    """The chat template in use: the tokenizer's own, else the plain one."""
+    return chat.own_template(tokenizer) or DEFAULT_TEMPLATE
+
+
 def render(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Message]) -> str:
     """The prompt text, ready for the assistant's answer."""
-    return tokenizer.apply_chat_template(
-        [{"role": m.role, "content": m.text} for m in messages],
-        chat_template=None if tokenizer.chat_template else DEFAULT_TEMPLATE,
-        tokenize=False,
-        add_generation_prompt=True,
-    )
-
-
-def template(tokenizer: PreTrainedTokenizerBase) -> str:
-    """The chat template in use: the tokenizer's own (its default one, when it has several),
-    else the plain one."""
-    own = tokenizer.chat_template
-    if isinstance(own, dict):
-        own = own.get("default")
-    return own or DEFAULT_TEMPLATE
+    return chat.render(tokenizer, _dicts(messages), template(tokenizer))
 
 
 def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Message]) -> list[int]:
-    """Prompt ids; BOS is added unless the template already wrote it (as most templates do)."""
-    text = render(tokenizer, messages)
-    bos = tokenizer.bos_token
-    return encode(tokenizer, text, add_special=not (bos and text.startswith(bos)))
+    return chat.prompt_ids(tokenizer, _dicts(messages), template(tokenizer))
 
 
-def encode(
-    tokenizer: PreTrainedTokenizerBase, text: str, add_special: bool = True, parse_special: bool = True
-) -> list[int]:
-    """Token ids of `text`, as the backends tokenize it (parse_special False: the text of
-    special tokens is tokenized as plain text)."""
-    options = {} if parse_special else {"split_special_tokens": True}
-    return list(tokenizer(text, add_special_tokens=add_special, **options)["input_ids"])
+def _dicts(messages: Sequence[Message]) -> list[dict[str, str]]:
+    return [{"role": m.role, "content": m.text} for m in messages]

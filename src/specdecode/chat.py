@@ -1,0 +1,124 @@
+"""Chat prompts: messages rendered through a chat template, then tokenized; one code path for
+`generate --chat`, `bench --chat` and the server's chat endpoint.
+
+A template is Jinja, rendered as transformers' `apply_chat_template` renders it, with an open
+assistant turn (add_generation_prompt). It comes from the model: a Hugging Face directory's
+tokenizer (tokenizer_config.json or chat_template.jinja), a GGUF file's `tokenizer.chat_template`
+metadata (which transformers' GGUF tokenizer reads); or from a file that overrides it.
+
+Light on purpose: the command line builds its flags from here before torch loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from specdecode.errors import SpecdecodeError, read_text_file
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+
+def own_template(tokenizer: PreTrainedTokenizerBase) -> str | None:
+    """The tokenizer's chat template (its default one, when it has several); None without one."""
+    own = tokenizer.chat_template
+    if isinstance(own, dict):
+        own = own.get("default")
+    return own or None
+
+
+def render(
+    tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict[str, str]], template: str | None = None
+) -> str:
+    """The prompt text, ready for the assistant's answer; `template` overrides the tokenizer's."""
+    return tokenizer.apply_chat_template(
+        list(messages), chat_template=template, tokenize=False, add_generation_prompt=True
+    )
+
+
+def encode_rendered(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    """Ids of a rendered prompt: BOS is added unless the template already wrote it (as most
+    templates do), so a prompt never starts with two."""
+    bos = tokenizer.bos_token
+    return encode(tokenizer, text, add_special=not (bos and text.startswith(bos)))
+
+
+def encode(
+    tokenizer: PreTrainedTokenizerBase, text: str, add_special: bool = True, parse_special: bool = True
+) -> list[int]:
+    """Token ids of `text`, as the backends tokenize it (parse_special False: the text of
+    special tokens is tokenized as plain text)."""
+    options = {} if parse_special else {"split_special_tokens": True}
+    return list(tokenizer(text, add_special_tokens=add_special, **options)["input_ids"])
+
+
+def prompt_ids(
+    tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict[str, str]], template: str | None = None
+) -> list[int]:
+    return encode_rendered(tokenizer, render(tokenizer, messages, template))
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    """How the command line turns a plain prompt into a chat: the prompt is the user's message,
+    after an optional system message, rendered through `template` (default: the model's)."""
+
+    system: str | None = None
+    template: str | None = None  # the text of a template that overrides the model's
+
+    def messages(self, user: str) -> list[dict[str, str]]:
+        system = [{"role": "system", "content": self.system}] if self.system is not None else []
+        return [*system, {"role": "user", "content": user}]
+
+    def text(self, tokenizer: PreTrainedTokenizerBase, user: str, model: str) -> str:
+        """The rendered prompt; an error for a model without a template when none is given, or
+        a template that fails on the messages."""
+        import jinja2  # transformers' dependency, needed only once a template renders
+
+        if self.template is None and own_template(tokenizer) is None:
+            raise SpecdecodeError(
+                f"{model} has no chat template: give one with --chat-template-file FILE (a Jinja template)"
+            )
+        try:
+            return render(tokenizer, self.messages(user), self.template)
+        except jinja2.TemplateError as exc:
+            raise SpecdecodeError(f"the chat template failed on the messages: {exc}") from None
+
+    def ids(self, tokenizer: PreTrainedTokenizerBase, user: str, model: str) -> list[int]:
+        return encode_rendered(tokenizer, self.text(tokenizer, user, model))
+
+
+def add_chat_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """llama.cpp's chat flags (-cnv, -sys, --chat-template-file)."""
+    parser.add_argument(
+        "-cnv",
+        "--chat",
+        action="store_true",
+        help="the prompt is a user's message: render it through the model's chat template",
+    )
+    parser.add_argument("-sys", "--system-prompt", metavar="TEXT", help="--chat: a system message first")
+    parser.add_argument(
+        "--chat-template-file",
+        metavar="FILE",
+        help="--chat: a Jinja chat template used in place of the model's",
+    )
+
+
+def chat_from_args(args: argparse.Namespace) -> ChatPrompt | None:
+    """The chat the flags ask for, None without --chat; -sys or a template file without --chat is
+    a mistake (they would be silently ignored)."""
+    if not args.chat:
+        given = {"-sys/--system-prompt": args.system_prompt, "--chat-template-file": args.chat_template_file}
+        for flag, value in given.items():
+            if value is not None:
+                raise SpecdecodeError(f"{flag} applies to a chat: add --chat")
+        return None
+    template = None
+    if args.chat_template_file is not None:
+        template = read_text_file(args.chat_template_file, "chat template file")
+        if not template.strip():
+            raise SpecdecodeError(f"the chat template file {args.chat_template_file} is empty")
+    return ChatPrompt(args.system_prompt, template)
