@@ -216,7 +216,7 @@ class LlamaCppBackend:
             "differently in multi-row passes than alone"
             + (f" (passes of up to {agreed} rows agreed)" if agreed else "")
             + ": greedy speculative output equals plain output up to near-ties only (bit for bit: a "
-            "Q8_0 file, --backend native, or llama.cpp's row-invariant build, see the README)"
+            "Q8_0 file, --backend native, or llama.cpp's row-invariant build, see docs/gguf.md)"
         )
 
     def probe_invariance(self) -> RowAgreement:
