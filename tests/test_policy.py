@@ -17,6 +17,7 @@ from specdecode.cli import build_parser
 from specdecode.errors import SpecdecodeError
 from specdecode.policy import (
     MAX_PROBE_EVERY,
+    PRIOR_DRAFT_STEP,
     PRIOR_WEIGHT,
     PROBE_NODES,
     AcceptanceModel,
@@ -205,6 +206,16 @@ def test_calibration_times_every_row_count_and_leaves_the_cache_empty(zoo):
     assert sorted(costs.calibrated) == [1, 2, 3, 5, 9, 17]
     assert all(seconds > 0 for seconds in costs.calibrated.values())
     assert target.tokens == []
+
+
+def test_a_drafting_model_is_timed_at_load_and_leaves_its_cache_empty(zoo):
+    target, draft = zoo.pair(TargetSpec(), 0.9)
+    models = PolicyModels.for_target(target, drafts={"draft": draft})
+    step = models.costs.step_time("draft")
+    assert step > 0
+    assert step != pytest.approx(PRIOR_DRAFT_STEP * models.costs.pass_time(1))
+    assert draft.tokens == [] and target.tokens == []
+    assert models.costs.step_time("eagle3") == pytest.approx(PRIOR_DRAFT_STEP * models.costs.pass_time(1))
 
 
 def test_draft_calls_are_a_line_in_their_steps_and_the_tokens_they_missed():
@@ -551,6 +562,56 @@ def test_a_rate_no_candidate_reaches_does_not_make_the_cheapest_win():
     model = Model("draft", list(range(5, 21)), 0.99)
     assert len(Chain([model], policy).draft([1, 2], 3, 16).tokens) > 1
     assert policy.step_rate({}, [], 0.0) == pytest.approx(plain_rate(models))  # plain alone: its rate
+
+
+def model_draft_length(policy: AdaptivePolicy, position: int, confidence: float, n_max: int = 16) -> int:
+    """Tokens of `confidence` a drafting model run at `position` drafts under the policy's rule."""
+    policy.at(position)
+    rate = policy.step_rate({}, ["draft"], 0.0)
+    stopper = policy.stopper("draft", rate, policy.plain_gain(0.0, rate), 0.0)
+    depth = 0
+    while depth < n_max and stopper(depth + 1, confidence):
+        depth += 1
+        if not stopper.further(depth):
+            break
+    return depth
+
+
+def first_step_reads_the_prompt(policy: AdaptivePolicy, prompt: int, step: float, one_row: float) -> int:
+    """A first step whose drafting model reads the prompt (4 ms a token) and drafts a token of
+    confidence 0.8, which is rejected; its length."""
+    drafted = model_draft_length(policy, prompt + 1, 0.8)
+    t_model = 0.004 * prompt + drafted * step
+    policy.observe("draft", [0.8] * drafted, [], t_model, one_row, "draft", drafted, t_model)
+    return drafted
+
+
+def test_a_draft_model_nearly_as_slow_as_the_target_drafts_short_where_rows_cost_a_pass_each():
+    """Qwen2.5-Coder 1.5B (Q4_K_M) drafted by its 0.5B sibling on llama.cpp, one thread: a pass
+    of T rows costs about T one-row passes, a draft step 0.8 of one. Drafting 16 tokens ran at
+    0.4x plain generation; at most a short draft of confident tokens may pay."""
+    costs = CostModel()
+    costs.calibrated.update({1: 0.0406, 2: 0.0871, 3: 0.1383, 5: 0.1837, 9: 0.4461, 17: 0.5779})
+    costs.draft_calls["draft"] = DraftCalls(0.8 * 0.048)
+    policy = AdaptivePolicy(PolicyModels(costs=costs))
+    assert first_step_reads_the_prompt(policy, 64, 0.038, 0.087) <= 1
+    assert policy.models.step_seconds == pytest.approx(0.8 * 0.048 + 0.087)  # not the prompt's read
+    assert model_draft_length(policy, 66, 0.99) <= 2
+
+
+def test_a_fast_draft_model_drafts_long_where_rows_are_cheap():
+    """The same steps where a pass of 17 rows costs 2.5 one-row passes and a draft step a
+    tenth of one (a larger target on a CPU): confident tokens are drafted far."""
+    policy = AdaptivePolicy(PolicyModels(costs=cpu_costs(draft_step=0.0012)))
+    first_step_reads_the_prompt(policy, 64, 0.0012, 0.0132)
+    assert model_draft_length(policy, 66, 0.99) >= 8
+
+
+def test_a_second_is_worth_at_least_what_a_plain_step_makes():
+    """After drafts that lost (1 token a second), every row would look nearly free."""
+    models = PolicyModels(costs=cpu_costs())
+    models.step_tokens, models.step_seconds = 1.0, 1.0
+    assert AdaptivePolicy(models).step_rate({}, ["draft"], 0.0) == pytest.approx(plain_rate(models))
 
 
 def test_chain_probes_an_unused_model_again():

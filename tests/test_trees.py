@@ -657,6 +657,8 @@ def test_cli_draft_tree_reports_tree_stats(saved_model_dir, capsys):
             "0.0",
             "--draft-p-min",
             "0",
+            "--spec-policy",
+            "classic",  # the draft is the target itself: at its cost, the adaptive policy drafts nothing
             "--json",
         ]
     )

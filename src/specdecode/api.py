@@ -140,8 +140,11 @@ class Pipeline:
         self._load_rule: LoadRule | None = None
         self._batch: tuple[DraftPasses | None, list[Pipeline]] | None = None  # see _seats
         if spec_policy == "adaptive" and self.spec_types:
+            drafts = {"draft": draft} if draft is not None and "draft" in self.spec_types else None
             self.policy_models = (
-                policy_models if policy_models is not None else PolicyModels.for_target(target, progress)
+                policy_models
+                if policy_models is not None
+                else PolicyModels.for_target(target, progress, drafts)
             )
 
     @classmethod

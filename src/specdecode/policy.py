@@ -10,7 +10,8 @@ depends on the text, the models and the machine, so `adaptive` measures instead:
   have run), fitted to passes timed briefly at load and to the passes actually run, recent
   ones weighing more (contexts grow, machines get busy); and the seconds
   of a drafting model's call as a line in its steps and in the tokens it reads first (those
-  verified since its last call: a few when it runs every step, a whole gap after it idled).
+  verified since its last call: a few when it runs every step, a whole gap after it idled),
+  starting from its one-row pass timed at load.
 - Acceptance model: per strategy, depth and draft-confidence bucket, P(the token is kept |
   its parent was), counted from every verified draft with decay, starting from the draft's
   calibrated confidence (model drafts) or from the estimate one depth up (model-free drafts).
@@ -59,7 +60,7 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import combinations
 
@@ -75,7 +76,8 @@ CALIBRATION_REPS = 3
 CALIBRATION_CONTEXT = 32  # tokens in the cache while timing, as after a short prompt
 PRIOR_PASS = 0.01  # seconds of a one-row pass before anything is measured
 PRIOR_SLOPE = 0.1  # pass(T) / pass(1) = 1 + 0.1 (T - 1) before it is measured (a CPU's shape)
-PRIOR_DRAFT_STEP = 0.1  # a draft step, as a share of a one-row target pass, before it is measured
+PRIOR_DRAFT_STEP = 0.1  # a draft step, as a share of a one-row target pass, where the model was not timed
+DRAFT_TIMING_ROWS = (1,)  # a drafting model is timed at load by its one-row passes: its steps
 EMA = 0.1  # weight of the newest observation in the moving averages
 CALIBRATION_WEIGHT = 2.0  # passes each load-time timing counts as in the cost fit
 FIT_DECAY = 0.98  # per pass run: the weight of older passes in the cost fit
@@ -124,22 +126,8 @@ class CostModel:
         self._times: dict[tuple[float, int], float] = {}  # (rows, sequences) -> pass_time now
 
     def calibrate(self, backend: Backend, rows: tuple[int, ...] = CALIBRATION_ROWS) -> None:
-        """Time passes of each row count after a short context (a few reps, the median), leaving
-        the backend's cache empty."""
-        context = [i % backend.vocab.size for i in range(3, 3 + CALIBRATION_CONTEXT)]
-        backend.truncate(0)
-        backend.evaluate(context, logits_rows=1)
-        for n in rows:
-            if len(context) + n > backend.n_ctx:
-                break
-            samples = []
-            for _ in range(CALIBRATION_REPS + 1):  # the first is a warm-up
-                start = time.perf_counter()
-                backend.evaluate(context[:n])
-                samples.append(time.perf_counter() - start)
-                backend.truncate(len(context))
-            self.calibrated[n] = sorted(samples[1:])[len(samples[1:]) // 2]
-        backend.truncate(0)
+        """Time passes of each row count on the target (`time_passes`)."""
+        self.calibrated.update(time_passes(backend, rows))
         self._curve = None
 
     def observe_pass(self, rows: int, seconds: float, sequences: int = 1, weight: float = 1.0) -> None:
@@ -292,6 +280,27 @@ class DecayedSums:
     def arrays(self) -> tuple[np.ndarray, np.ndarray]:
         """Copies of (gram, moment) as numpy arrays, to add to and solve."""
         return np.array(self.gram).reshape(self.size, self.size), np.array(self.moment)
+
+
+def time_passes(backend: Backend, rows: tuple[int, ...]) -> dict[int, float]:
+    """Seconds of a pass of each row count after a short context (a few reps, the median),
+    leaving the backend's cache empty."""
+    context = [i % backend.vocab.size for i in range(3, 3 + CALIBRATION_CONTEXT)]
+    backend.truncate(0)
+    backend.evaluate(context, logits_rows=1)
+    timings = {}
+    for n in rows:
+        if len(context) + n > backend.n_ctx:
+            break
+        samples = []
+        for _ in range(CALIBRATION_REPS + 1):  # the first is a warm-up
+            start = time.perf_counter()
+            backend.evaluate(context[:n])
+            samples.append(time.perf_counter() - start)
+            backend.truncate(len(context))
+        timings[n] = sorted(samples[1:])[len(samples[1:]) // 2]
+    backend.truncate(0)
+    return timings
 
 
 def _prior_shape(rows: float) -> float:
@@ -467,22 +476,48 @@ class PolicyModels:
         return self.step_tokens / self.step_seconds if self.step_seconds > 0 else None
 
     @classmethod
-    def for_target(cls, target: Backend, progress: Callable[[str], None] | None = None) -> PolicyModels:
+    def for_target(
+        cls,
+        target: Backend,
+        progress: Callable[[str], None] | None = None,
+        drafts: Mapping[str, Backend] | None = None,
+    ) -> PolicyModels:
         """Models whose pass costs are timed on `target` now, or read from an earlier run's timing
-        of the same model on this machine (`specdecode.pass_cache`); `progress` is told which."""
+        of the same model on this machine (`specdecode.pass_cache`); `progress` is told which.
+        drafts: the drafting models by strategy name, whose steps (one-row passes) are timed the
+        same way, too briefly to announce. Priced at PRIOR_DRAFT_STEP of a target pass until its
+        calls had run, a model a third of the target's size (on llama.cpp with one thread, a
+        step 0.8 of a target row) drafted 16 tokens at its first call, at 0.4x plain's speed."""
         say = progress or (lambda line: None)
         models = cls()
-        key = pass_cache.cache_key(target, CALIBRATION_ROWS) if pass_cache.enabled() else None
-        stored = pass_cache.read(key) if key is not None else None
+        stored = _stored_timings(target, CALIBRATION_ROWS)
         if stored is not None:
             say("reusing the target's pass timings from an earlier run")
             models.costs.calibrated = stored
-            return models
-        say("timing the target's passes for the adaptive policy")
-        models.costs.calibrate(target)
-        if key is not None and models.costs.calibrated:
-            pass_cache.write(key, models.costs.calibrated)
+        else:
+            say("timing the target's passes for the adaptive policy")
+            models.costs.calibrate(target)
+            _store_timings(target, CALIBRATION_ROWS, models.costs.calibrated)
+        for strategy, backend in (drafts or {}).items():
+            steps = _stored_timings(backend, DRAFT_TIMING_ROWS)
+            if steps is None:
+                steps = time_passes(backend, DRAFT_TIMING_ROWS)
+                _store_timings(backend, DRAFT_TIMING_ROWS, steps)
+            if steps:
+                models.costs.draft_calls[strategy] = DraftCalls(steps[1])
         return models
+
+
+def _stored_timings(backend: Backend, rows: tuple[int, ...]) -> dict[int, float] | None:
+    """An earlier run's timings of `rows`-row passes on `backend`'s model, if the cache has them."""
+    key = pass_cache.cache_key(backend, rows) if pass_cache.enabled() else None
+    return pass_cache.read(key) if key is not None else None
+
+
+def _store_timings(backend: Backend, rows: tuple[int, ...], timings: dict[int, float]) -> None:
+    key = pass_cache.cache_key(backend, rows) if pass_cache.enabled() else None
+    if key is not None and timings:
+        pass_cache.write(key, timings)
 
 
 @dataclass(frozen=True)
@@ -636,6 +671,7 @@ class AdaptivePolicy:
         self._start = 0  # of the first step: the prompt's length
         self._read: dict[str, int] = {}  # drafting model -> the position it has read up to
         self._missed = 0  # tokens the model run this step read first
+        self._prompt_read = 0  # ... of them, the prompt's (its first call in this generation)
         self._probe: _Probe | None = None  # this step's, while it runs
         self._watched: list[tuple[str, list[int], int]] = []  # (strategy, draft, tokens kept so far)
         self.load = ALONE  # what else this step's pass holds
@@ -658,9 +694,11 @@ class AdaptivePolicy:
         model-free draft at its best length (`expected`: its E_k by strategy), each drafting
         model's record). Valued at a rate no candidate reaches here (the previous text's long
         copies, say), every candidate would look poor and the cheapest would win; but the text
-        is what it is for a while yet, and its next tokens must be made at the rates it offers."""
+        is what it is for a while yet, and its next tokens must be made at the rates it offers.
+        Nor less than a plain step makes, which is always to be had: after drafts that lost, a
+        second valued at their rate made every row look nearly free, and drafts ran long."""
         recent = self.models.rate if self.models.rate is not None else 1.0 / self._own_seconds(1)
-        best = 1.0 / (t_sunk + self._own_seconds(1))
+        plain = best = 1.0 / (t_sunk + self._own_seconds(1))
         for values in expected.values():
             best = max(best, *(e / (t_sunk + self._own_seconds(k + 1)) for k, e in enumerate(values)))
         for strategy in models:
@@ -668,7 +706,7 @@ class AdaptivePolicy:
             if record is not None:
                 seconds = t_sunk + self._draft_seconds(strategy, record) + self._own_seconds(record.rows)
                 best = max(best, record.tokens / seconds)
-        return min(recent, best)
+        return max(plain, min(recent, best))
 
     def plain_gain(self, t_sunk: float, rate: float) -> float:
         return 1.0 - rate * (t_sunk + self.pass_seconds(1))
@@ -733,6 +771,7 @@ class AdaptivePolicy:
         waits[source] = min(MAX_PROBE_EVERY, 2 * wait) if probe else max(PROBE_EVERY, wait // 2)
         self._probe = _Probe(rival, rate, t_sunk) if probe else None
         self._missed = self._position - self._read.get(strategy, 0)  # what the call reads, prompt and all
+        self._prompt_read = max(0, self._start - self._read.get(strategy, 0))
         self._read[strategy] = self._position
         self.models.idle[source] = 0
         return Stopper(self.models, strategy, rate, source, self.load, PROBE_NODES if probe else None)
@@ -769,8 +808,9 @@ class AdaptivePolicy:
         if share is not None:  # the drafting time that was this sequence's own
             t_draft, t_model = t_draft * share.drafting, t_model * share.drafting
         weight = EMA if models.step_seconds > 0 else 1.0
+        seconds = t_draft - self._prompt_seconds(model, model_steps, t_model) + t_pass * own_rows / rows
         models.step_tokens += weight * (1.0 + len(path) - models.step_tokens)
-        models.step_seconds += weight * (t_draft + t_pass * own_rows / rows - models.step_seconds)
+        models.step_seconds += weight * (seconds - models.step_seconds)
         models.costs.observe_pass(rows, t_pass, sequences, own_rows / rows)
         shape = "tree" if parents is not None else ""
         models.choices[(f"{strategy} {shape}".strip() if strategy else "none", len(confidences))] += 1
@@ -794,6 +834,17 @@ class AdaptivePolicy:
             else:
                 models.records.setdefault(source, Record()).update(tokens, rows, model_steps)
         self._probe = None
+        self._prompt_read = 0
+
+    def _prompt_seconds(self, model: str | None, steps: int, seconds: float) -> float:
+        """What reading the prompt took of this step's call of `model` (`seconds`, `steps` steps):
+        the rest of the call at the model's costs. Not the step's: its draft did not choose to
+        pay it, and the rate (whose first step weighs all) would value a second at a fraction of
+        what it is worth, so that every row looked free and drafts ran 16 tokens long."""
+        if model is None or not self._prompt_read:
+            return 0.0
+        rest = self.models.costs.draft_time(model, steps, self._missed - self._prompt_read)
+        return max(0.0, seconds - rest)
 
     def watch(self, drafts: dict[str, list[int]], emitted: Sequence[int]) -> None:
         """Score model-free drafts against the tokens emitted (counterfactual verification

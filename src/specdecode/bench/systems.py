@@ -192,7 +192,8 @@ def _system(
         n_parallel=draft_config.n_parallel if "draft-tree" in parts else 1,
         tree_tokens=draft_config.tree_tokens if "eagle3-tree" in parts else 0,
     )
-    models = PolicyModels.for_target(target) if adaptive else None
+    drafts = {"draft": draft} if draft is not None and "draft" in spec_types else None
+    models = PolicyModels.for_target(target, drafts=drafts) if adaptive else None
     return OursSystem(
         name,
         lambda: Pipeline(
