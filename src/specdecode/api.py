@@ -548,9 +548,8 @@ SPECULATIVE_METHODS: dict[str, tuple[str, tuple[str, ...]]] = {
     "draft_model": ("draft", MODEL_KEYS),
     "eagle3": ("eagle3", MODEL_KEYS),
     "eagle": ("eagle3", MODEL_KEYS),
-    "draft-simple": ("draft", MODEL_KEYS),
     "draft": ("draft", MODEL_KEYS),
-    "draft-eagle3": ("eagle3", MODEL_KEYS),
+    **{alias: (name, MODEL_KEYS) for alias, name in SPEC_TYPE_ALIASES.items()},  # draft-simple, draft-eagle3
     **{name: (name, ()) for name in PRIORITY if name.startswith("ngram-")},
 }
 VLLM_PROMPT_LOOKUP = 5  # vLLM's n-gram size when neither prompt_lookup_min nor _max is given

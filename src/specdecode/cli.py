@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import importlib.metadata
 import json
 import os
 import sys
@@ -49,6 +48,7 @@ from specdecode.config import (
 from specdecode.errors import SpecdecodeError, missing_package, read_text_file
 from specdecode.export.flags import add_convert_parser, add_export_parser
 from specdecode.loadtest import add_loadtest_parser
+from specdecode.local import package_version
 from specdecode.server.settings import add_server_args, settings_from_args
 from specdecode.train.flags import add_eval_parser, add_train_parser
 
@@ -158,10 +158,7 @@ class Parser(argparse.ArgumentParser):
 
 
 def version() -> str:
-    try:
-        return importlib.metadata.version("specdecode")
-    except importlib.metadata.PackageNotFoundError:  # run from a source tree never installed
-        return "(version unknown: not installed)"
+    return package_version() or "(version unknown: not installed)"  # a source tree never installed
 
 
 def say(message: str) -> None:

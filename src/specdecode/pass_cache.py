@@ -18,15 +18,14 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import importlib.metadata
 import json
 import math
 import os
-import platform
 import tempfile
 from pathlib import Path
 from typing import Any
 
+from specdecode import local
 from specdecode.backends import Backend
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".packed")
@@ -34,8 +33,7 @@ FORMAT = 1  # of the stored files: a file of another format is foreign
 
 
 def cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "specdecode" / "pass-costs"
+    return local.cache_dir("pass-costs")
 
 
 def enabled() -> bool:
@@ -59,8 +57,8 @@ def cache_key(backend: Backend, rows: tuple[int, ...]) -> dict[str, Any] | None:
         "dtype": dtype,
         "threads": getattr(backend, "threads", None) or _torch_threads(),
         "device": _device_name(str(getattr(backend, "device", "cpu"))),
-        "cpu": _cpu_model(),
-        "version": _version(),
+        "cpu": local.cpu_model(),
+        "version": local.package_version() or "unknown",
         "n_ctx": backend.n_ctx,
         "rows": list(rows),
     }
@@ -146,16 +144,3 @@ def _device_name(device: str) -> str:
     return f"{device} {torch.cuda.get_device_name(torch.device(device))}"
 
 
-def _cpu_model() -> str:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
-
-
-def _version() -> str:
-    try:
-        return importlib.metadata.version("specdecode")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"

@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -44,6 +43,7 @@ from specdecode.backends.native import native_unsupported
 from specdecode.config import GGUF_FORMATS as FORMATS
 from specdecode.config import LLAMA_CPP_FORMATS
 from specdecode.errors import SpecdecodeError, require
+from specdecode.local import cache_dir
 
 if TYPE_CHECKING:
     import gguf
@@ -230,8 +230,7 @@ def load_gguf_model(path: Path, dtype: torch.dtype, dense: bool = False):
 
 
 def tokenizer_cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "specdecode" / "gguf-tokenizers"
+    return cache_dir("gguf-tokenizers")
 
 
 def load_gguf_tokenizer(path: Path):

@@ -37,6 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from specdecode.errors import SpecdecodeError
+from specdecode.local import cache_dir
 
 MAGIC = b"SDPACK1\n"
 SUFFIX = ".packed"  # model.safetensors.packed decodes to model.safetensors
@@ -183,8 +184,7 @@ def unpack(container: Path, destination: Path) -> None:
 
 def cache_root() -> Path:
     """Where decoded directories are kept: $XDG_CACHE_HOME/specdecode/models, ~/.cache by default."""
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "specdecode" / "models"
+    return cache_dir("models")
 
 
 def _sources(directory: Path, extra: Mapping[str, Path]) -> dict[str, Path]:

@@ -14,7 +14,6 @@ machine still slows the work itself (shared caches, memory bandwidth, clock spee
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import os
 import platform
@@ -22,6 +21,8 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from specdecode.local import cpu_info, cpu_model
 
 # The instruction sets that decide which kernels run (oneDNN's bfloat16 needs AVX-512 BF16 or AMX).
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
@@ -97,14 +98,9 @@ def machine_line(machine: dict) -> str:
     )
 
 
-def cpu_model() -> str:
-    """The CPU's model name (Linux's /proc/cpuinfo), else what `platform` knows."""
-    return _cpuinfo().get("model name") or platform.processor() or platform.machine()
-
-
 def cpu_flags() -> dict[str, bool | None]:
     """Whether the CPU has each of `CPU_FLAGS` (None where /proc/cpuinfo is not there to say)."""
-    flags = _cpuinfo().get("flags")
+    flags = cpu_info().get("flags")
     present = set(flags.split()) if flags is not None else None
     return {name: None if present is None else name in present for name in CPU_FLAGS}
 
@@ -126,18 +122,6 @@ def git_commit() -> str | None:
     if head.returncode != 0:
         return None
     return head.stdout.strip() or None
-
-
-def _cpuinfo() -> dict[str, str]:
-    """The first processor's fields of /proc/cpuinfo; empty where there is none."""
-    fields: dict[str, str] = {}
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if not line.strip() and fields:
-                break
-            key, _, value = line.partition(":")
-            fields.setdefault(key.strip(), value.strip())
-    return fields
 
 
 def _torch_bf16() -> bool | None:
