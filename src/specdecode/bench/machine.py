@@ -125,12 +125,13 @@ def git_commit() -> str | None:
 
 
 def _torch_bf16() -> bool | None:
-    """Whether torch's CPU kernels (oneDNN) do native bfloat16 arithmetic here."""
-    import torch
+    """Whether torch's CPU kernels (oneDNN) do native bfloat16 arithmetic here: the probe
+    `--dtype auto` decides by, None where this torch build lacks it."""
+    from specdecode.backends.hf import cpu_has_bf16
 
     try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):  # a private call: a torch build may lack it
+        return cpu_has_bf16()
+    except (AttributeError, RuntimeError):  # a private call underneath: a torch build may lack it
         return None
 
 
