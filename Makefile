@@ -40,7 +40,10 @@ demo: setup
 #                    for python -m specdecode.bench.llama_tools
 #   llama-invariant  its libraries without the batched GEMM paths (llamafile's sgemm, repacked
 #                    layouts), whose rows are bit-identical in every pass: run with
-#                    LLAMA_CPP_LIB_PATH=build/llama-tools/invariant/bin
+#                    LLAMA_CPP_LIB_PATH=build/llama-tools/invariant/bin. The third such path,
+#                    ggml's tiled K-quant product (passes of 8 rows and more), has a run-time
+#                    switch, which the llama.cpp backend turns off in every build
+#                    (GGML_CPU_TILED_MM=0): no patch needed
 LLAMA_TOOLS := build/llama-tools
 LLAMA_TOOLS_TARGETS := llama-speculative-simple llama-lookup llama-completion llama-bench
 LLAMA_TOOLS_CMAKE := -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF -DLLAMA_BUILD_TESTS=OFF \

@@ -28,6 +28,7 @@ from specdecode.api import SpeculativeChoice, settings_from
 from specdecode.backends.hf import HFBackend
 from specdecode.backends.load import load_backend
 from specdecode.backends.native import NativeBackend
+from specdecode.config import SuffixConfig
 from specdecode.defaults import bundled_eagle3, bundled_pair
 from specdecode.server.settings import ServerSettings
 from specdecode.testing import save_model
@@ -240,13 +241,31 @@ def test_speculative_config_names_every_drafter():
         assert (choice.spec_type, choice.model, choice.draft.n_max) == ("eagle3", "head", 4)
     for method in ("draft_model", "draft", "draft-simple"):
         assert read({"method": method, "model": "d"}).spec_type == "draft"
+    suffix = read(
+        {
+            "method": "suffix",
+            "num_speculative_tokens": 12,
+            "suffix_decoding_max_tree_depth": 16,
+            "suffix_decoding_max_spec_factor": 2,
+            "suffix_decoding_min_token_prob": 0.2,
+        }
+    )
+    assert suffix.spec_type == "suffix"
+    assert suffix.ngram.suffix == SuffixConfig(max_depth=16, factor=2.0, min_prob=0.2, max_nodes=12)
+    assert read({"method": "suffix"}).ngram.suffix == SuffixConfig()
 
 
 @pytest.mark.parametrize(
     "config, message",
     [
         ({"method": "ngram", "n": 3}, r"unknown speculative_config key 'n' \(known: method, model"),
-        ({"method": "suffix"}, r"unknown speculative_config method 'suffix' \(supported: ngram, draft_model"),
+        ({"method": "medusa"}, r"unknown speculative_config method 'medusa' \(supported: ngram, draft_model"),
+        ({"method": "suffix", "suffix_decoding_min_token_prob": 2}, "--spec-suffix-min-prob must be in"),
+        (
+            {"method": "suffix", "suffix_decoding_max_spec_factor": "1"},
+            "'suffix_decoding_max_spec_factor' must be",
+        ),
+        ({"method": "ngram", "suffix_decoding_max_tree_depth": 8}, "'ngram' takes no 'suffix_decoding_max"),
         ({"model": "d"}, "unknown speculative_config method None"),
         ({"method": "ngram-mod", "num_speculative_tokens": 3}, "'ngram-mod' takes no 'num_speculative"),
         ({"method": "ngram", "model": "d"}, "'ngram' takes no 'model'"),

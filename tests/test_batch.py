@@ -192,6 +192,7 @@ SYSTEMS = {
         "draft_config": DraftModelConfig(p_min=0.0, n_max=8, n_parallel=3),
     },
     "ngram-mod": {"spec_types": ["ngram-mod"]},
+    "suffix": {"spec_types": ["suffix"]},
     # The adaptive policy prices each draft at what its rows add to the batch's pass.
     "ngram+draft@adaptive": {"spec_types": ["ngram-simple", "draft"], "spec_policy": "adaptive"},
 }
@@ -226,8 +227,9 @@ def test_generate_batch_equals_each_prompt_alone(dtype, system, mode, exactness_
             assert ours.tokens == expected.tokens
             assert ours.text == expected.text
             assert ours.stats.stop_reason == expected.stats.stop_reason
-            # ngram-mod's pool is shared by the batch; the adaptive policy drafts by the batch.
-            if not load_rule and system not in ("ngram-mod", "ngram+draft@adaptive"):
+            # ngram-mod's pool and the suffix store are shared by the batch; the adaptive policy
+            # drafts by the batch.
+            if not load_rule and system not in ("ngram-mod", "suffix", "ngram+draft@adaptive"):
                 # The batched draft model drafted exactly what it drafts alone.
                 assert ours.stats.totals.n_drafted == expected.stats.totals.n_drafted
             exactness_log.record(

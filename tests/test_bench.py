@@ -5,6 +5,7 @@ Speed itself is never asserted here (the machine is noisy); the benchmark is a c
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -14,15 +15,20 @@ import pytest
 
 from specdecode.backends.hf import HFBackend
 from specdecode.bench import drafting, passes
+from specdecode.bench.command import answer_text
+from specdecode.bench.flags import AGENT_TASKS, ALL_TASKS, CHAT_TASKS
 from specdecode.bench.machine import CPU_FLAGS, Machine, git_commit, machine_line
 from specdecode.bench.metrics import ideal_speedup, solve_alpha, summarize
 from specdecode.bench.plots import _pooled_positions, acceptance_by_position
-from specdecode.bench.suite import Measurement, rounds
+from specdecode.bench.suite import Measurement, rounds, run_suite
 from specdecode.bench.systems import build_systems, system_names
-from specdecode.bench.tasks import TASK_NAMES, build_tasks
+from specdecode.bench.tasks import TASK_NAMES, Task, as_chats, build_tasks
+from specdecode.chat import ChatPrompt
 from specdecode.cli import build_parser, main
+from specdecode.config import NgramModConfig
 from specdecode.errors import SpecdecodeError
 from specdecode.sampling import SamplingParams
+from specdecode.stats import GenerationStats
 from specdecode.strategies import DraftModelConfig, NgramSettings
 from specdecode.testing import make_llama, make_tokenizer, perturbed_copy, save_model
 
@@ -169,6 +175,111 @@ def test_tasks_come_from_held_out_files_and_are_deterministic():
         build_tasks(["free"], 0)
 
 
+def test_agent_and_chat_tasks_are_built_deterministically_and_apart_from_the_default_ones():
+    tasks = build_tasks(ALL_TASKS, 2)
+    assert tasks == build_tasks(ALL_TASKS, 2)
+    by_name = {task.name: task for task in tasks}
+    assert not set(AGENT_TASKS + CHAT_TASKS) & set(TASK_NAMES)  # run only when asked
+    for name in AGENT_TASKS:  # sessions of three turns, the later ones asking to write it again
+        task = by_name[name]
+        assert [len(task.turns(i)) for i in range(2)] == [3, 3]
+        assert all("again" in turn for i in range(2) for turn in task.turns(i)[1:])
+    edit = by_name["agent-edit"].turns(0)
+    assert "# Before:\n" in edit[0] and all(turn.endswith("# After:\n") for turn in edit)
+    record = by_name["agent-records"].turns(1)[0]
+    assert record.startswith("Record:\n{") and '"reviewed": false' in record
+    for name in ("chat-edit", "chat-complete"):
+        assert all("```python\ndef " in prompt for prompt in by_name[name].prompts)
+    summarised, asked = by_name["chat-summarise"].prompts, by_name["chat-qa"].prompts
+    assert all(p.startswith("Summarise this text") for p in summarised)
+    assert not {p.split("\n\n", 1)[1] for p in summarised} & {p.rsplit("\n\n", 1)[0] for p in asked}
+    assert by_name["chat-free"].prompts[0].startswith("What is the Python module `")
+    # no function serves two tasks
+    sources = [p for task in tasks if task.name not in ("free", "free-t1") for p in task.prompts]
+    assert len(set(sources)) == len(sources)
+
+
+def test_a_session_runs_its_turns_on_one_pipeline_with_its_own_answers(pair, exactness_log):
+    """Each turn's prompt is the conversation so far, on one pipeline per session (its n-gram
+    pool and KV cache kept between turns), and every turn's tokens equal plain generation's."""
+    target = HFBackend.load(pair[0])
+    ngram = NgramSettings(mod=NgramModConfig(n_match=4, n_min=1, n_max=16))
+    systems = build_systems(["plain", "ngram-mod"], target, None, DraftModelConfig(), ngram)
+    made = []
+    for system in systems:
+        system.make_pipeline = functools.partial(lambda make: made.append(1) or make(), system.make_pipeline)
+    session = Task("agent", ("def f(x):\n    return x",), follow_ups=(("\n# again:\n", "\n# once more:\n"),))
+    prompts: list[str] = []
+
+    def encode(text: str) -> list[int]:
+        prompts.append(text)
+        return target.tokenize(text)
+
+    decode = functools.partial(answer_text, target)
+    measured = run_suite([session], systems, encode, 24, runs=1, warmup=0, decode=decode)
+    assert [(m.system, m.turn) for m in measured] == [
+        (s, t) for s in ("plain", "ngram-mod") for t in range(3)
+    ]
+    plain, ngram = measured[:3], measured[3:]
+    assert prompts[:3] == prompts[3:]  # exact answers: the same prompts turn after turn
+    assert prompts[1] == prompts[0] + decode(plain[0].tokens) + "\n# again:\n"
+    assert prompts[2].startswith(prompts[1]) and prompts[2].endswith("\n# once more:\n")
+    for ours, reference in zip(ngram, plain, strict=True):
+        assert ours.tokens == reference.tokens
+        exactness_log.record("bench/session", "ngram-mod", ours.stats)
+    assert len(made) == 2  # one pipeline per session and system
+    rows = summarize(measured)
+    assert [r["exact_match_rate"] for r in rows] == [1.0, 1.0] and rows[1]["runs"] == 3
+    with pytest.raises(SpecdecodeError, match="needs the answers' text"):
+        run_suite([session], systems, encode, 4, runs=1, warmup=0)
+
+
+def test_bench_runs_sessions_as_chats_and_counts_every_turn(pair, tmp_path, capsys):
+    target, draft = pair
+    template = tmp_path / "template.jinja"
+    template.write_text("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}<|assistant|>")
+    argv = ["bench", "-m", str(target), "-md", str(draft), "--systems", "plain,ngram-mod,draft"]
+    argv += ["--tasks", "agent-records", "--prompts-per-task", "1", "-n", "8", "--runs", "1", "--warmup", "0"]
+    argv += [
+        "--chat",
+        "--chat-template-file",
+        str(template),
+        "--no-plots",
+        "--sweep",
+        "0",
+        "--out",
+        str(tmp_path),
+    ]
+    assert main(argv) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    (turns,) = results["tasks"]["agent-records"]
+    assert len(turns) == 3 and turns[0].startswith("Record:")
+    assert [(r["system"], r["runs"], r["exact_match_rate"]) for r in results["rows"]] == [
+        ("plain", 3, 1.0),
+        ("ngram-mod", 3, 1.0),
+        ("draft", 3, 1.0),
+    ]
+    progress = [line for line in capsys.readouterr().err.splitlines() if line.startswith("bench: [")]
+    assert len(progress) == 9 and progress[-1].startswith("bench: [9/9]") and "turn 3/3" in progress[-1]
+
+
+def test_a_session_as_a_chat_renders_the_whole_conversation():
+    tokenizer = make_tokenizer(320)
+    tokenizer.chat_template = (
+        "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    (task,) = as_chats(
+        [Task("s", ("hi",), follow_ups=(("more",),))],
+        lambda turns: ChatPrompt().text(tokenizer, turns, "test"),
+    )
+    assert task.prompt_text(0) == "<|user|>hi\n<|assistant|>"
+    assert (
+        task.conversation(["hi", "yes", "more"])
+        == "<|user|>hi\n<|assistant|>yes\n<|user|>more\n<|assistant|>"
+    )
+
+
 def test_a_tasks_prompts_do_not_depend_on_the_other_tasks_asked():
     alone = build_tasks(["completion"], 2)[0]
     assert build_tasks(["extraction", "completion"], 2)[1] == alone
@@ -197,6 +308,28 @@ def test_ideal_speedup_inverts_the_expected_tokens_per_pass():
     assert math.isclose(ideal_speedup(0.8, 4, 0.1), (1 - 0.8**5) / (0.2 * 1.4))
     assert ideal_speedup(1.0, 8, 0.0) == 9
     assert solve_alpha(1.0, 8) == 0.0
+    # a verify pass that costs twice a plain step halves what drafting can give
+    assert math.isclose(ideal_speedup(0.8, 4, 0.1, 2.0), (1 - 0.8**5) / (0.2 * 2.4))
+
+
+def test_the_ideal_speedup_prices_the_verify_pass_as_measured_against_plain_steps():
+    """On a CPU a pass of many rows costs more than one: long drafts must not look free."""
+
+    def run(system: str, passes: int, t_verify: float, drafted: int, emitted: int) -> Measurement:
+        stats = GenerationStats(
+            n_passes=passes, n_step_tokens=emitted, t_verify=t_verify, t_generation=t_verify
+        )
+        stats.totals.n_drafts, stats.totals.n_drafted = passes if drafted else 0, drafted
+        return Measurement("completion", 0, system, "ours", t_verify, t_verify, [0] * emitted, stats)
+
+    plain = run("plain", 64, 0.64, 0, 64)  # 10 ms a step
+    long = run("draft", 8, 0.16, 128, 64)  # 16 drafted a pass, verified in 20 ms: v = 2
+    rows = {row["system"]: row for row in summarize([plain, long])}
+    draft = rows["draft"]
+    assert math.isclose(draft["pass_ratio"], 2.0) and draft["cost_ratio"] == 0.0
+    assert math.isclose(draft["ideal_speedup"], draft["ideal_speedup_flat"] / 2)
+    assert math.isclose(draft["ideal_speedup"], 8 / 2, rel_tol=1e-6)  # 8 tokens a pass, at 2 steps' cost
+    assert rows["plain"].get("ideal_speedup") is None or rows["plain"]["draft_tokens_per_pass"] == 0
 
 
 def test_summary_ratios_and_exact_match():
@@ -288,12 +421,13 @@ def test_bench_passes_times_every_row_count_for_target_and_draft(pair, capsys):
 
 
 def test_bench_draft_times_every_model_free_strategy_in_wall_and_cpu_time(capsys):
-    args = build_parser().parse_args(["bench-draft", "--history", "2048", "--calls", "20"])
-    results = drafting.run(args)
-    strategies = ["ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache"]
-    assert [row["strategy"] for row in results["rows"]] == strategies
+    argv = ["bench-draft", "--history", "2048", "--calls", "20", "--suffix-store", "5000"]
+    results = drafting.run(build_parser().parse_args(argv))
+    strategies = ["ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache", "suffix"]
+    assert [row["strategy"] for row in results["rows"]] == [*strategies, "suffix@5000"]
     for row in results["rows"]:
         assert row["calls"] == 20 and within_the_cores(row["mean_cpu_ms"], row["mean_ms"]), row
+    assert results["rows"][-1]["store_tokens"] == 5000 and results["rows"][-1]["store_mb"] > 0
     printed = capsys.readouterr().out.splitlines()
     assert printed[0] == machine_line(results["machine"]) and "CPU ms" in printed[2]
 

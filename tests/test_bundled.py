@@ -61,4 +61,5 @@ def test_the_command_needs_nothing_but_a_prompt(capsys):
     assert main(["generate", "--json", "-p", "import os\n", "-n", "16", "--temp", "0"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["text"] and len(result["tokens"]) <= 16
-    assert [s["name"] for s in result["stats"]["strategies"]] == ["draft"]
+    # the adaptive default runs the cheap n-gram strategies beside the draft model
+    assert [s["name"] for s in result["stats"]["strategies"]] == ["ngram-map-k4v", "ngram-mod", "draft"]

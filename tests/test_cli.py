@@ -35,12 +35,24 @@ def test_json_output_equals_plain_generation(pair, capsys):
     target, draft, _ = pair
     common = ["-m", str(target), "-p", "def f(x):", "-n", "24", "--temp", "0", "--ignore-eos"]
     plain = run_json(capsys, *common, "--spec-type", "none")
-    spec = run_json(capsys, *common, "-md", str(draft), "--draft-p-min", "0", "--draft-max", "6")
+    spec = run_json(
+        capsys,
+        *common,
+        "-md",
+        str(draft),
+        "--draft-p-min",
+        "0",
+        "--draft-max",
+        "6",
+        "--spec-policy",
+        "classic",
+    )
     assert spec["tokens"] == plain["tokens"]
     assert spec["text"] == plain["text"]
     assert len(spec["tokens"]) == 24
     stats = spec["stats"]
-    # -md without --spec-type enables the draft model (llama.cpp's silent trap avoided).
+    # -md without --spec-type enables the draft model (llama.cpp's silent trap avoided); the
+    # classic policy runs it alone and on every step.
     assert [s["name"] for s in stats["strategies"]] == ["draft"]
     assert stats["totals"]["n_drafted"] > 0
     assert stats["tokens_per_pass"] > 1.0
@@ -140,7 +152,19 @@ def test_translation_through_text_works_for_a_different_tokenizer(pair, capsys):
     target, _, other = pair
     common = ["-m", str(target), "-p", "def h(y):", "-n", "12", "--temp", "0", "--ignore-eos"]
     plain = run_json(capsys, *common, "--spec-type", "none")
-    spec = run_json(capsys, *common, "-md", str(other), "--spec-replace", "    ", "\t", "--draft-p-min", "0")
+    spec = run_json(
+        capsys,
+        *common,
+        "-md",
+        str(other),
+        "--spec-replace",
+        "    ",
+        "\t",
+        "--draft-p-min",
+        "0",
+        "--spec-policy",
+        "classic",
+    )
     assert spec["tokens"] == plain["tokens"]
     assert spec["stats"]["totals"]["n_drafted"] > 0
 
@@ -188,7 +212,7 @@ def test_bundled_pair_is_used_without_m(pair, tmp_path, monkeypatch, capsys):
         capsys, "-m", str(target), "-p", "def f(x):", "-n", "10", "--temp", "0", "--spec-type", "none"
     )
     assert bundled["tokens"] == explicit["tokens"]
-    assert [s["name"] for s in bundled["stats"]["strategies"]] == ["draft"]
+    assert [s["name"] for s in bundled["stats"]["strategies"]] == ["ngram-map-k4v", "ngram-mod", "draft"]
 
 
 def test_missing_bundled_pair_says_how_to_get_one(tmp_path, monkeypatch, capsys):

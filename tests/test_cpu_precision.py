@@ -65,16 +65,18 @@ def bf16_model_dir(tmp_path, tokenizer):
 
 def test_loading_bf16_weights_in_float32_says_why(bf16_model_dir, monkeypatch):
     monkeypatch.setattr(specdecode.backends.hf, "cpu_has_bf16", lambda: False)
-    backend = load_backend(bf16_model_dir)
+    native = LoadOptions(backend="native")  # auto may run a bfloat16 directory on llama.cpp
+    backend = load_backend(bf16_model_dir, native)
     assert backend.weights.embeddings.dtype == torch.float32
     assert "this CPU has no bf16 units" in backend.dtype_note
     assert load_backend(bf16_model_dir, LoadOptions(dtype="float32")).dtype_note is None
     monkeypatch.setattr(specdecode.backends.hf, "cpu_has_bf16", lambda: True)
-    assert load_backend(bf16_model_dir).dtype_note is None  # runs as stored
+    assert load_backend(bf16_model_dir, native).dtype_note is None  # runs as stored
 
 
 def test_generate_prints_the_dtype_note_once(bf16_model_dir, monkeypatch, capsys):
     monkeypatch.setattr(specdecode.backends.hf, "cpu_has_bf16", lambda: False)
-    assert main(["generate", "-m", str(bf16_model_dir), "-p", "x = 1", "-n", "2", "--temp", "0"]) == 0
+    args = ["-m", str(bf16_model_dir), "--backend", "native", "-p", "x = 1", "-n", "2", "--temp", "0"]
+    assert main(["generate", *args]) == 0
     notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note: ")]
     assert len(notes) == 1 and notes[0].startswith(f"note: {bf16_model_dir.name}: this CPU has no bf16 units")

@@ -307,6 +307,7 @@ NATIVE_CHAINS = (
     ["ngram-map-k", "ngram-cache", "draft"],
     ["ngram-map-k4v", "ngram-mod", "draft"],
     ["ngram-mod"],
+    ["suffix"],
 )
 # Keyed on one or two tokens, so that the n-gram strategies find matches in random models' output.
 SHORT_NGRAMS = NgramSettings(
@@ -395,6 +396,7 @@ ADAPTIVE_CHAINS = (
     ["ngram-simple", "draft"],
     ["ngram-map-k4v", "ngram-mod", "draft"],
     ["ngram-simple", "ngram-cache"],
+    ["suffix", "draft"],
 )
 
 

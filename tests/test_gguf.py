@@ -18,9 +18,9 @@ import torch
 from conftest import cached_tokenizer
 
 from specdecode import DraftModelConfig, GenerationConfig, Pipeline, SamplingParams
-from specdecode.backends.gguf_files import export_gguf, is_gguf
+from specdecode.backends.gguf_files import export_gguf
 from specdecode.backends.hf import LoadOptions, load_tokenizer
-from specdecode.backends.load import load_backend
+from specdecode.backends.load import is_gguf, load_backend
 from specdecode.backends.native import NativeBackend
 from specdecode.cli import main
 from specdecode.errors import SpecdecodeError
@@ -97,7 +97,19 @@ def test_export_then_generate_and_lookup_on_the_files(gguf_files, tmp_path, caps
     runs = {}
     for spec in ("none", "draft"):
         args = ["generate", "-m", str(out / "target.gguf"), "-md", str(out / "draft.gguf")]
-        args += ["--backend", "native", "--spec-type", spec, "--temp", "0", "-n", "24", "--ignore-eos"]
+        args += [
+            "--backend",
+            "native",
+            "--spec-type",
+            spec,
+            "--spec-policy",
+            "classic",
+            "--temp",
+            "0",
+            "-n",
+            "24",
+        ]
+        args += ["--ignore-eos"]
         assert main([*args, "-p", PROMPT_TEXT, "--json"]) == 0
         runs[spec] = json.loads(capsys.readouterr().out)
     assert runs["draft"]["tokens"] == runs["none"]["tokens"]
@@ -130,7 +142,10 @@ def test_lookup_defaults_to_the_bundled_targets_tokenizer(tmp_path, capsys):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--backend", "llama.cpp", "-m", "{target}"], "runs GGUF files"),
+        (
+            ["--backend", "llama.cpp", "-m", "{target}"],
+            "cannot run this directory: weights stored in float64",
+        ),
         (["-ngl", "-1", "-m", "{gguf}"], "GPU layer count must be >= 0"),
         (["-m", "{bad}"], "cannot load"),
     ],

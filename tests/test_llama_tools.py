@@ -3,16 +3,21 @@
 - What it reads from the programs' output: llama.cpp's own line formats, the generated text.
 - Without the programs (`make llama-tools`) it says how to build them; with them, a short run
   on the tests' GGUF files gives both sides' figures and our speculative output equals plain.
+- Chat runs on a GGUF pair: the programs' command lines, the prompt's tokens equal on both
+  sides (BOS included once), and the table's arithmetic.
 """
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
 
 from specdecode.bench import llama_tools
+from specdecode.chat import ChatPrompt, encode, encode_rendered
 from specdecode.errors import SpecdecodeError
+from specdecode.testing import make_tokenizer
 
 pytest.importorskip("llama_cpp")
 
@@ -76,3 +81,100 @@ def test_a_short_side_by_side_run(gguf_files, tmp_path):
     for side in ("ours", "llama.cpp"):
         assert results.rate("draft", side) > 0 and results.rate("plain", side) > 0
     assert results.same_as_plain["draft"] == [True]
+
+
+VERBOSE_PROMPT = """\
+0.03.899.115 I llama_completion: number of tokens in prompt = 3
+0.03.899.117 I 151644 -> '<|im_start|>'
+0.03.899.118 I   8948 -> 'user'
+0.03.899.119 I    198 -> '
+'
+0.03.899.120 I    525 -> ' are'
+"""
+TEMPLATE_WITH_BOS = (
+    "<|bos|>{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def test_chat_runs_give_llama_cpps_programs_the_settings_asked():
+    systems = {s.name: s for s in llama_tools.chat_tool_systems()}
+    assert list(systems) == [
+        "llama-completion",
+        "llama-speculative-simple 3/0",
+        "llama-speculative-simple 8/0.5",
+        "llama-speculative-simple 16/0.75",
+        "llama-lookup",
+    ]
+    target, draft, prompt = Path("t.gguf"), Path("d.gguf"), Path("p.txt")
+    for name, (n_max, p_min) in zip(
+        list(systems)[1:4], [("3", "0.0"), ("8", "0.5"), ("16", "0.75")], strict=True
+    ):
+        arguments = llama_tools.tool_arguments(systems[name], target, draft, prompt, 64)
+        assert arguments[arguments.index("--spec-type") + 1] == "draft-simple"  # not the default
+        assert arguments[arguments.index("-md") + 1] == "d.gguf"
+        assert arguments[arguments.index("--spec-draft-n-max") + 1] == n_max
+        assert arguments[arguments.index("--spec-draft-p-min") + 1] == p_min
+    completion = llama_tools.tool_arguments(systems["llama-completion"], target, draft, prompt, 64)
+    assert {"-no-cnv", "--verbose-prompt", "--no-escape"} <= set(completion)
+    for flag, value in (("-m", "t.gguf"), ("-f", "p.txt"), ("-n", "64"), ("-t", "1"), ("--temp", "0")):
+        assert completion[completion.index(flag) + 1] == value
+
+
+def test_llama_cpp_reads_the_same_prompt_tokens_as_ours():
+    """A template that writes BOS: llama.cpp adds BOS itself, so its text goes without it."""
+    tokenizer = make_tokenizer(320)
+    text = ChatPrompt(template=TEMPLATE_WITH_BOS).text(tokenizer, "def f(x):", "test")
+    assert text.startswith("<|bos|>")
+    ours = encode_rendered(tokenizer, text)
+    theirs = llama_tools.tool_prompt(text, tokenizer.bos_token, adds_bos=True)
+    assert [tokenizer.bos_token_id, *encode(tokenizer, theirs, add_special=False)] == ours
+    assert llama_tools.tool_prompt(text, tokenizer.bos_token, adds_bos=False) == text
+    assert llama_tools.prompt_tokens(VERBOSE_PROMPT) == [151644, 8948, 198]
+    with pytest.raises(SpecdecodeError, match="verbose-prompt"):
+        llama_tools.prompt_tokens("no list")
+
+
+def test_it_reads_each_programs_generated_tokens_and_times():
+    systems = {s.name: s for s in llama_tools.chat_tool_systems()}
+    assert llama_tools.tool_figures(systems["llama-completion"], COMPLETION_TAIL) == (127, 0.29627, 0, 0)
+    figures = llama_tools.tool_figures(systems["llama-speculative-simple 3/0"], SPECULATIVE_SIMPLE_TAIL)
+    assert figures == (65, 0.371, 31, 26)
+    assert llama_tools.COLOUR.sub("", "\x1b[36mdef\x1b[37m f") == "def f"
+
+
+def test_chat_rows_are_medians_over_rounds_of_sums_over_prompts():
+    tally = llama_tools.ChatTally
+    tallies = {
+        "plain": [tally(64, 4.0, 2.0, 3.2), tally(64, 2.0, 1.0, 1.6), tally(64, 8.0, 4.0, 6.4)],
+        "llama-lookup": [tally(60, 6.0, 3.0, 2.0, 8, 4)] * 3,
+    }
+    rows = llama_tools.chat_rows(tallies, {"plain": [True] * 3, "llama-lookup": [True, False, True]})
+    plain, lookup = rows
+    assert (plain["side"], plain["tokens_per_second"], plain["tokens_per_cpu_second"]) == ("ours", 16.0, 32.0)
+    assert plain["generation_tokens_per_second"] == 20.0 and plain["tokens"] == 192
+    assert lookup["side"] == "llama.cpp" and (lookup["accepted"], lookup["drafted"]) == (12, 24)
+    assert (lookup["same_as_plain"], lookup["prompts"]) == (2, 3)
+    assert plain["generation_speedup"] == 1.0 and lookup["generation_speedup"] is None  # no llama-completion
+
+
+def test_it_takes_export_folders_or_a_gguf_pair(monkeypatch, capsys):
+    for argv in ([], ["--target", "t.gguf"], ["folder", "--target", "t.gguf", "--draft", "d.gguf"]):
+        monkeypatch.setattr(sys, "argv", ["llama_tools", *argv])
+        with pytest.raises(SystemExit):
+            llama_tools.main()
+        assert "--target and --draft" in capsys.readouterr().err
+
+
+@needs_tools
+def test_a_short_chat_run_side_by_side(gguf_files):
+    """Both sides read the same prompt tokens (llama-completion's list is checked) and every
+    system of ours starts as our plain answer does."""
+    chat = ChatPrompt(template=TEMPLATE_WITH_BOS)
+    target, draft = Path(gguf_files["target-q8_0.gguf"]), Path(gguf_files["draft-q8_0.gguf"])
+    tallies, agree = llama_tools.measure_chat(target, draft, ["def wrap(text):"], 8, 1, TOOLS, chat)
+    rows = {row["system"]: row for row in llama_tools.chat_rows(tallies, agree)}
+    assert set(rows) == {*llama_tools.OURS_CHAT, *(s.name for s in llama_tools.chat_tool_systems())}
+    for row in rows.values():
+        assert row["tokens"] > 0 and row["tokens_per_cpu_second"] > 0, row
+    assert all(rows[name]["same_as_plain"] == 1 for name in llama_tools.OURS_CHAT)

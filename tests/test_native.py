@@ -44,6 +44,7 @@ from specdecode.backends.native import (
     NativeBackend,
     Plan,
     Projection,
+    _pack,
     invariance_plan,
     native_unsupported,
 )
@@ -295,6 +296,12 @@ def test_passes_are_row_invariant(dtype, cached):
 
 
 PLANS = [ROW_BY_ROW, Plan(2), Plan(4), Plan(1, 3, 4), Plan(2, 2, 5), Plan(1, 16, INVARIANT_ROWS)]
+PLANS += [
+    Plan(packed=True),
+    Plan(2, packed=True),
+    Plan(1, 2, INVARIANT_ROWS, packed=True),
+    Plan(4, 3, 5, packed=True),
+]
 
 
 @pytest.mark.parametrize("plan", PLANS, ids=str)
@@ -302,6 +309,8 @@ PLANS = [ROW_BY_ROW, Plan(2), Plan(4), Plan(1, 3, 4), Plan(2, 2, 5), Plan(1, 16,
 def test_projection_plans_compute_the_same_product(plan, dtype):
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(48, 64, generator=generator).to(dtype)
+    if plan.packed and _pack(weight) is None:
+        pytest.skip("this torch has no oneDNN packed product")
     bias = torch.randn(48, generator=generator).to(dtype)
     x = torch.randn(17, 64, generator=generator).to(dtype)
     tolerance = {"rtol": 2e-2, "atol": 5e-2} if dtype == torch.bfloat16 else {"rtol": 1e-5, "atol": 1e-5}
@@ -353,32 +362,50 @@ def reordering_linear(max_k: int | None, rows: tuple[int, int] = (2, INVARIANT_R
 
 
 @pytest.mark.parametrize(
-    ("max_k", "rows", "plan"),
+    ("max_k", "rows", "plan", "packed_plan"),
     [
-        (None, (2, INVARIANT_ROWS), ONE_PRODUCT),
-        (512, (2, INVARIANT_ROWS), Plan(slices=4)),  # slices of 384: one order at any row count
-        (0, (2, INVARIANT_ROWS), Plan(min_rows=2)),  # one order from 2 rows on: one row is padded
-        (0, (1, 15), Plan(min_rows=1, max_rows=15)),  # as MKL's float32 GEMV and small GEMM
-        (0, (16, INVARIANT_ROWS), Plan(min_rows=1, max_rows=15)),  # longer passes are split
-        (0, (1, 1), Plan(min_rows=2)),  # a GEMV that sums in another order than any GEMM
+        (None, (2, INVARIANT_ROWS), ONE_PRODUCT, Plan(min_rows=2, packed=True)),
+        # BLAS: slices of 384, one order at any row count; packed: a padded row costs less
+        (512, (2, INVARIANT_ROWS), Plan(slices=4), Plan(min_rows=2, packed=True)),
+        # one order from 2 rows on: one row is padded
+        (0, (2, INVARIANT_ROWS), Plan(min_rows=2), Plan(min_rows=2, packed=True)),
+        # as MKL's float32 GEMV and small GEMM
+        (0, (1, 15), Plan(min_rows=1, max_rows=15), Plan(min_rows=2, max_rows=15, packed=True)),
+        # longer passes are split
+        (0, (16, INVARIANT_ROWS), Plan(min_rows=1, max_rows=15), Plan(min_rows=2, max_rows=15, packed=True)),
+        # a GEMV that sums in another order than any GEMM
+        (0, (1, 1), Plan(min_rows=2), Plan(min_rows=2, packed=True)),
     ],
 )
-def test_invariance_plan_sees_any_change_of_summation_order(monkeypatch, max_k, rows, plan):
+@pytest.mark.parametrize("kernel", ["blas", "packed"])
+def test_invariance_plan_sees_any_change_of_summation_order(
+    monkeypatch, max_k, rows, plan, packed_plan, kernel
+):
     """A change of order that random probes show in about one output in ten thousand is found
     every time: one product where the order never changes, the widest slices that keep it,
-    else the cheapest band of row counts that sums in one order."""
+    else the cheapest band of row counts that sums in one order; by the packed kernel where
+    there is one, which it prefers (and never runs on one row alone)."""
     import specdecode.backends.native as module
 
-    monkeypatch.setattr(module, "F", SimpleNamespace(linear=reordering_linear(max_k, rows), pad=F.pad))
+    linear = reordering_linear(max_k, rows)
+    monkeypatch.setattr(module, "F", SimpleNamespace(linear=linear, pad=F.pad))
+    if kernel == "packed":
+        monkeypatch.setattr(module, "_pack", torch.Tensor.contiguous)
+        monkeypatch.setattr(module, "_packed_linear", linear)
+    else:
+        monkeypatch.setattr(module, "_pack", lambda weight: None)
+    expected = packed_plan if kernel == "packed" else plan
     weight = torch.randn(32, 1536, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
-    assert invariance_plan(weight, None) == plan
-    assert invariance_plan(weight, torch.ones(32, dtype=torch.bfloat16)) == plan
+    assert invariance_plan(weight, None) == expected
+    assert invariance_plan(weight, torch.ones(32, dtype=torch.bfloat16)) == expected
 
 
 def test_plans_cost_what_their_products_cost():
     assert ROW_BY_ROW.cost() > Plan(min_rows=16).cost() > Plan(max_rows=15, min_rows=2).cost()
     assert Plan(min_rows=3).cost() < Plan(min_rows=2, max_rows=2).cost()
     assert ONE_PRODUCT.cost() < Plan(min_rows=2).cost() < Plan(slices=2, min_rows=2).cost()
+    # a packed product's rows cost little beside its fixed cost: padding beats slicing
+    assert Plan(min_rows=2, packed=True).cost() < Plan(slices=2, packed=True).cost()
 
 
 @pytest.mark.parametrize("dtype", INVARIANT_DTYPES)
@@ -590,15 +617,26 @@ def test_cli_backend_flag_picks_the_forward_and_keeps_the_output(saved, capsys, 
 
     loaded: list[type] = []
 
-    def recording_load(path, options):
-        backend = load_backend(path, options)
+    def recording_load(path, options, use):
+        backend = load_backend(path, options, use)
         loaded.append(type(backend))
         return backend
 
     common = ["-m", str(saved["llama"]), "-p", "def f(x):", "-n", "16", "--temp", "0", "--ignore-eos"]
     plain = run_json(capsys, *common, "--backend", "hf", "--spec-type", "none")
     monkeypatch.setattr(specdecode.api, "load_backend", recording_load)
-    result = run_json(capsys, *common, "--backend", flag, "-md", str(saved["draft"]), "--draft-p-min", "0")
+    result = run_json(
+        capsys,
+        *common,
+        "--backend",
+        flag,
+        "-md",
+        str(saved["draft"]),
+        "--draft-p-min",
+        "0",
+        "--spec-policy",
+        "classic",
+    )
     assert loaded == [chosen, chosen]  # the target and the draft
     assert result["tokens"] == plain["tokens"]
     assert result["stats"]["totals"]["n_drafted"] > 0

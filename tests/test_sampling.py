@@ -14,7 +14,14 @@ from hypothesis import strategies as st
 from scipy import stats
 
 from specdecode.errors import SpecdecodeError
-from specdecode.sampling import Sampler, SamplingParams, apply_penalties, distribution, greedy_token
+from specdecode.sampling import (
+    Sampler,
+    SamplingParams,
+    apply_penalties,
+    candidates,
+    distribution,
+    greedy_token,
+)
 
 # A "plain" non-greedy setting with every truncation disabled: the distribution is softmax(logits / T).
 PLAIN = {"top_k": 0, "top_p": 1.0, "min_p": 0.0}
@@ -508,3 +515,57 @@ def test_sample_frequencies_match_distribution_with_truncation():
     keep = expected > 0
     assert counts[~keep].sum() == 0
     assert stats.chisquare(counts[keep], n * expected[keep]).pvalue > 0.001
+
+
+def whole_vocabulary_draw(probs: torch.Tensor, u: float) -> int:
+    """How a draw read the [V] distribution before draws walked only the candidates: inverse CDF
+    over the whole vocabulary, clamped to the last id with mass."""
+    cumulative = torch.cumsum(probs.to(torch.float64), dim=0)
+    target = torch.tensor([u * float(cumulative[-1])], dtype=torch.float64)
+    index = int(torch.searchsorted(cumulative, target, right=True))
+    return min(index, int(torch.nonzero(probs)[-1]))
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05},  # the command's defaults
+        {"temperature": 1.3, **PLAIN},  # the whole vocabulary
+        {"temperature": 0.01, "top_k": 50},  # tiny probabilities that round to zero
+        {"temperature": 0.7, "top_k": 8, "repeat_penalty": 1.3, "presence_penalty": 0.5},
+    ],
+)
+def test_sample_draws_the_token_the_whole_vocabulary_draw_gives(kwargs):
+    """`sample` draws among the candidates only; for every row and draw it picks what inverse CDF
+    over the [V] vector picks, bit for bit, with draws at the ends of [0, 1) too."""
+    p = params(seed=3, **kwargs)
+    rows = random_rows(24, 997, seed=5).to(torch.float32)
+    rows[:4, 100:104] = rows[:4].max(-1, keepdim=True).values  # ties at the top
+    history = [100, 101, 7, 7]
+    draws = [0.0, 1e-300, 0.5, 1.0 - 2**-53, *np.random.default_rng(1).random(20).tolist()]
+    for row in rows:
+        probs = distribution(row, p, history)
+        for u in draws:
+            assert FixedSampler(p, [u]).sample(row, history) == whole_vocabulary_draw(probs, u)
+            assert FixedSampler(p, [u]).draw(probs) == whole_vocabulary_draw(probs, u)
+
+
+def test_candidates_are_the_distributions_support_in_id_order():
+    p = params(temperature=0.9, top_k=30, top_p=0.9)
+    for row in random_rows(8, 500, seed=9):
+        ids, probs = candidates(row, p, [])
+        full = distribution(row, p, [])
+        assert ids.tolist() == sorted(ids.tolist()) and torch.equal(full[ids], probs)
+        full[ids] = 0.0
+        assert not full.any()
+
+
+def test_greedy_token_is_numpys_argmax_on_cpu_floats_and_torchs_elsewhere():
+    """Ties go to the lowest id whichever library takes the argmax."""
+    row = torch.tensor([0.5, 2.0, -1.0, 2.0, 2.0])
+    greedy = SamplingParams(temperature=0)
+    for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+        assert greedy_token(row.to(dtype), greedy, []) == 1
+    assert greedy_token(torch.tensor([float("nan"), 3.0, float("nan")]), greedy, []) == int(
+        torch.argmax(torch.tensor([float("nan"), 3.0, float("nan")]))
+    )

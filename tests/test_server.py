@@ -680,6 +680,25 @@ def test_metrics_move_with_each_request(client, url):
     assert metric(url, "process_resident_memory_bytes") > 1e6
 
 
+def test_the_suffix_store_is_shared_by_the_slots_and_reported_in_metrics():
+    """Requests at once on two slots answer as alone; the suffix strategy's store learns each
+    one, and /metrics reports its size."""
+    prompts = [PROMPTS[1], PROMPTS[2], PROMPTS[1]]
+    with running(pipeline=make_pipeline(["suffix"]), parallel=2) as (base, _):
+        api = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            answers = list(
+                pool.map(
+                    lambda p: api.completions.create(model=MODEL_ID, prompt=p, max_tokens=24, temperature=0),
+                    prompts,
+                )
+            )
+        assert [a.choices[0].text for a in answers] == [alone(p, 24).text for p in prompts]
+        assert metric(base, "specdecode_suffix_cache_requests") == len(prompts)
+        assert metric(base, "specdecode_suffix_cache_tokens") > 0
+        assert metric(base, "specdecode_suffix_cache_bytes") > 0
+
+
 KEYED_PATHS = [
     ("GET", "/v1/models"),
     ("GET", "/models"),

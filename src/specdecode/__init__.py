@@ -20,7 +20,7 @@ _HOMES = {
     "GenerationConfig": "specdecode.generate",
     "GenerationStats": "specdecode.stats",
     "HFBackend": "specdecode.backends.hf",
-    "LoadOptions": "specdecode.backends.hf",
+    "LoadOptions": "specdecode.backends.options",
     "NgramMapConfig": "specdecode.config",
     "NgramModConfig": "specdecode.config",
     "NgramSettings": "specdecode.config",
@@ -31,19 +31,22 @@ _HOMES = {
     "SpecdecodeError": "specdecode.errors",
     "Strategy": "specdecode.strategies",
     "StrategyStats": "specdecode.stats",
+    "SuffixConfig": "specdecode.config",
     "VocabInfo": "specdecode.backends",
 }
 
 if TYPE_CHECKING:  # what type checkers and editors read, since they do not run __getattr__
     from specdecode.api import Pipeline, Result
     from specdecode.backends import Backend, VocabInfo
-    from specdecode.backends.hf import HFBackend, LoadOptions
+    from specdecode.backends.hf import HFBackend
+    from specdecode.backends.options import LoadOptions
     from specdecode.config import (
         DraftModelConfig,
         NgramMapConfig,
         NgramModConfig,
         NgramSettings,
         SamplingParams,
+        SuffixConfig,
     )
     from specdecode.constraints import ConstraintSpec
     from specdecode.errors import SpecdecodeError
@@ -73,6 +76,7 @@ __all__ = [
     "SpecdecodeError",
     "Strategy",
     "StrategyStats",
+    "SuffixConfig",
     "VocabInfo",
 ]
 

@@ -29,10 +29,18 @@ from typing import TYPE_CHECKING, Any, TypedDict, Unpack, overload
 
 from specdecode.backends import Backend
 from specdecode.backends.gather import DraftPasses, GatheredBackend, GatheredHead
-from specdecode.backends.hf import LoadOptions
+from specdecode.backends.hf_gguf import Use
 from specdecode.backends.load import backend_from_model, check_not_hub_id, load_backend
+from specdecode.backends.options import LoadOptions
 from specdecode.chain import Chain
-from specdecode.config import PRIORITY, SPEC_TYPE_ALIASES, DraftModelConfig, NgramMapConfig, NgramSettings
+from specdecode.config import (
+    PRIORITY,
+    SPEC_TYPE_ALIASES,
+    DraftModelConfig,
+    NgramMapConfig,
+    NgramSettings,
+    SuffixConfig,
+)
 from specdecode.constraints import Constraint, ConstraintSpec
 from specdecode.defaults import bundled_eagle3, bundled_pair
 from specdecode.errors import SpecdecodeError
@@ -74,6 +82,10 @@ class GenerateKeywords(TypedDict, total=False):
     ignore_eos: bool
 
 
+# Model-free strategies the adaptive policy asks beside a draft model when no strategies are
+# named: their drafts cost microseconds and are verified only where they pay, and where the
+# model cannot pay (a CPU whose every verify row costs nearly a plain step) a copy still can.
+BESIDE_A_DRAFT = ["ngram-mod", "ngram-map-k4v"]
 SAMPLING_KEYWORDS = ("temperature", "top_k", "top_p", "min_p", "seed", "do_sample")
 LENGTH_KEYWORDS = ("max_new_tokens", "max_tokens", "n_predict")
 CONFIG_KEYWORDS = (*LENGTH_KEYWORDS, "stop", "ignore_eos")
@@ -106,8 +118,9 @@ class Pipeline:
         policy_models: PolicyModels | None = None,
         progress: Progress | None = None,
     ) -> None:
-        """spec_types: enabled strategy names (None: "draft" when a draft is given and "eagle3"
-        when a head is, else none); llama.cpp's "draft-simple" and "draft-eagle3" name the last two.
+        """spec_types: enabled strategy names (None: "draft" when a draft is given, with
+        BESIDE_A_DRAFT under the adaptive policy, and "eagle3" when a head is, else none);
+        llama.cpp's "draft-simple" and "draft-eagle3" name the last two.
         ngram: settings of the model-free strategies; their shared state (the ngram-mod pool,
         the ngram-cache files) lives as long as the pipeline.
         replacements: (target text, draft text) pairs; given (even empty), a draft whose
@@ -125,6 +138,8 @@ class Pipeline:
         self.eagle3 = eagle3
         if spec_types is None:
             spec_types = (["draft"] if draft else []) + (["eagle3"] if eagle3 is not None else [])
+            if draft and spec_policy == "adaptive":
+                spec_types += BESIDE_A_DRAFT
         self.spec_types = strategy_names(spec_types)
         self.draft_config = draft_config
         self.ngram = ngram
@@ -197,12 +212,14 @@ class Pipeline:
             model, draft, eagle3 = _with_bundled(draft, eagle3, settings.get("spec_types"))
         if choice is not None:
             choice.check_model(draft if choice.spec_type == "draft" else eagle3)
-        target = _load_model(model, tokenizer, target_options, "target", say)
+        # a head's target may not go where auto runs other targets (see specdecode.backends.hf_gguf)
+        use: Use = "hidden" if eagle3 is not None else "target"
+        target = _load_model(model, tokenizer, target_options, "target", say, use)
         draft_backend = None
         if draft is not None:
             if draft_tokenizer is None and not _is_path(draft):
                 draft_tokenizer = getattr(target, "tokenizer", None)
-            draft_backend = _load_model(draft, draft_tokenizer, draft_options, "draft", say)
+            draft_backend = _load_model(draft, draft_tokenizer, draft_options, "draft", say, "draft")
         head = None
         if eagle3 is not None:
             check_not_hub_id(eagle3)  # heads are published on the Hub too
@@ -443,6 +460,7 @@ def _load_model(
     options: LoadOptions,
     role: str,
     say: Progress,
+    use: Use,
 ) -> Backend:
     """The backend for a model on disk (a directory or GGUF file) or one already in memory."""
     if not _is_path(source):
@@ -453,7 +471,7 @@ def _load_model(
             f"{argument}= goes with a model in memory: the {role} model {source} is read with its own"
         )
     say(f"loading the {role} model from {source}")
-    return load_backend(source, options)
+    return load_backend(source, options, use)
 
 
 def strategy_names(names: Sequence[str]) -> list[str]:
@@ -538,9 +556,15 @@ def _config_from(config: GenerationConfig | None, given: Mapping[str, Any]) -> G
 
 
 # vLLM's speculative_config keys that are read here
-SPECULATIVE_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
 MODEL_KEYS = ("model", "num_speculative_tokens")
 LOOKUP_KEYS = ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+SUFFIX_KEYS = (
+    "num_speculative_tokens",
+    "suffix_decoding_max_tree_depth",
+    "suffix_decoding_max_spec_factor",
+    "suffix_decoding_min_token_prob",
+)
+SPECULATIVE_KEYS = ("method", "model", *LOOKUP_KEYS, *SUFFIX_KEYS[1:])
 # method -> (strategy, the keys it reads besides "method"): vLLM's methods, then this package's
 # strategy names, whose settings are the pipeline's `ngram` (NgramSettings)
 SPECULATIVE_METHODS: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -551,6 +575,7 @@ SPECULATIVE_METHODS: dict[str, tuple[str, tuple[str, ...]]] = {
     "draft": ("draft", MODEL_KEYS),
     **{alias: (name, MODEL_KEYS) for alias, name in SPEC_TYPE_ALIASES.items()},  # draft-simple, draft-eagle3
     **{name: (name, ()) for name in PRIORITY if name.startswith("ngram-")},
+    "suffix": ("suffix", SUFFIX_KEYS),
 }
 VLLM_PROMPT_LOOKUP = 5  # vLLM's n-gram size when neither prompt_lookup_min nor _max is given
 
@@ -569,6 +594,9 @@ class SpeculativeChoice:
     - "eagle3" (also "eagle", "draft-eagle3"): an EAGLE-3 head read from `model`, likewise.
     - "ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache": those
       strategies with the pipeline's `ngram` settings; no other key.
+    - "suffix": SuffixDecoding, with the pipeline's `ngram.suffix` settings less those that
+      vLLM's suffix_decoding_max_tree_depth, _max_spec_factor and _min_token_prob set, and
+      num_speculative_tokens as the most draft nodes.
     `model` may be left out with the bundled target: the bundled draft or head is used."""
 
     spec_type: str
@@ -604,6 +632,8 @@ class SpeculativeChoice:
             draft = replace(draft, n_max=tokens)
         if method == "ngram":
             ngram = replace(ngram, simple=_prompt_lookup(config, tokens, ngram.simple))
+        if method == "suffix":
+            ngram = replace(ngram, suffix=_suffix(config, tokens, ngram.suffix))
         return cls(spec_type, method, config.get("model"), draft, ngram)
 
     def check_model(self, model: object) -> None:
@@ -623,6 +653,30 @@ def _count(config: Mapping[str, Any], key: str, least: int) -> int | None:
     if isinstance(value, bool) or not isinstance(value, int) or value < least:
         raise SpecdecodeError(f"speculative_config {key!r} must be an integer >= {least}, not {value!r}")
     return value
+
+
+def _suffix(config: Mapping[str, Any], tokens: int | None, suffix: SuffixConfig) -> SuffixConfig:
+    """The suffix strategy's settings for vLLM's suffix_decoding keys (see `SpeculativeChoice`)."""
+    changes: dict[str, Any] = {}
+    depth = _count(config, "suffix_decoding_max_tree_depth", 1)
+    if depth is not None:
+        changes["max_depth"] = depth
+    if tokens is not None:
+        changes["max_nodes"] = tokens
+    for key, field in (
+        ("suffix_decoding_max_spec_factor", "factor"),
+        ("suffix_decoding_min_token_prob", "min_prob"),
+    ):
+        value = config.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise SpecdecodeError(f"speculative_config {key!r} must be a number, not {value!r}")
+        changes[field] = float(value)
+    try:
+        return replace(suffix, **changes)
+    except SpecdecodeError as exc:  # the message names the flag: name the key too
+        raise SpecdecodeError(f"speculative_config: {exc}") from None
 
 
 def _prompt_lookup(config: Mapping[str, Any], tokens: int | None, simple: NgramMapConfig) -> NgramMapConfig:

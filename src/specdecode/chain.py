@@ -137,8 +137,9 @@ class Chain:
             if index in self._steerable:
                 models.append(index)
                 continue
-            draft = self._ask(index, history, last, n_max).truncated(n_max).simplified()
-            if draft.tokens and draft.is_chain:
+            # The policy prices chains: a model-free tree is weighed as its preferred path.
+            draft = self._ask(index, history, last, n_max).truncated(n_max).first_branch()
+            if draft.tokens:
                 free[index] = draft
                 step.drafts[strategy.name] = draft.tokens
         t_sunk = time.perf_counter() - start
@@ -151,8 +152,9 @@ class Chain:
             if k > 0 and gain > best_gain:
                 best_gain, best_index, best_draft = gain, index, draft.truncated(k)
         if models:
-            index = max(models, key=lambda i: policy.model_gain(names[i], t_sunk, rate))
-            if policy.model_gain(names[index], t_sunk, rate) > best_gain:
+            gains = {i: policy.model_gain(names[i], t_sunk, rate, n_max) for i in models}
+            index = max(models, key=gains.__getitem__)
+            if gains[index] > best_gain:
                 strategy = self.strategies[index]
                 step.model = strategy.name
                 step.stopper = policy.stopper(strategy.name, rate, best_gain, t_sunk)

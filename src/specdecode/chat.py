@@ -69,13 +69,17 @@ class ChatPrompt:
     system: str | None = None
     template: str | None = None  # the text of a template that overrides the model's
 
-    def messages(self, user: str) -> list[dict[str, str]]:
+    def messages(self, user: str | Sequence[str]) -> list[dict[str, str]]:
+        """user: the user's message, or a conversation's turns (the user's messages and the
+        assistant's answers alternating, the user's first and last)."""
         system = [{"role": "system", "content": self.system}] if self.system is not None else []
-        return [*system, {"role": "user", "content": user}]
+        turns = [user] if isinstance(user, str) else list(user)
+        roles = ("user", "assistant")
+        return [*system, *({"role": roles[i % 2], "content": turn} for i, turn in enumerate(turns))]
 
-    def text(self, tokenizer: PreTrainedTokenizerBase, user: str, model: str) -> str:
-        """The rendered prompt; an error for a model without a template when none is given, or
-        a template that fails on the messages."""
+    def text(self, tokenizer: PreTrainedTokenizerBase, user: str | Sequence[str], model: str) -> str:
+        """The rendered prompt (of a message or a conversation, see `messages`); an error for a
+        model without a template when none is given, or a template that fails on the messages."""
         import jinja2  # transformers' dependency, needed only once a template renders
 
         if self.template is None and own_template(tokenizer) is None:

@@ -42,6 +42,7 @@ from specdecode.config import (
     NgramModConfig,
     NgramSettings,
     SamplingParams,
+    SuffixConfig,
     parse_spec_types,
     spec_type_name,
 )
@@ -54,7 +55,7 @@ from specdecode.train.flags import add_eval_parser, add_train_parser
 
 if TYPE_CHECKING:
     from specdecode.api import Pipeline
-    from specdecode.backends.hf import LoadOptions
+    from specdecode.backends.options import LoadOptions
     from specdecode.constraints import ConstraintSpec
 
 # llama.cpp's sampling default: the command samples unless given --temp 0 (the library's
@@ -69,6 +70,8 @@ STRATEGY_HELP = {
     "ngram-map-k4v": "ngram-map-k counting up to 4 continuations per n-gram; drafts only a dominant one",
     "ngram-mod": "a hashed pool of n-gram -> next token shared by all generations; long drafts (48-64)",
     "ngram-cache": "1- to 4-gram statistics of the context, a dynamic (-lcd) and a static (-lcs) cache file",
+    "suffix": "SuffixDecoding: trees of what followed the longest earlier match of the context's end, "
+    "in this request and in earlier ones (--spec-suffix-file keeps them)",
     "draft-simple": "a small draft model (-md) of the same vocabulary proposes up to --spec-draft-n-max "
     "tokens (also: draft)",
     "draft-eagle3": "an EAGLE-3 head (-me) over the target's own hidden states proposes up to "
@@ -196,7 +199,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
         "-md",
         "--model-draft",
         type=Path,
-        help="draft model directory or GGUF file (enables --spec-type draft-simple)",
+        help="draft model directory or GGUF file (enables --spec-type draft-simple, and under the "
+        "adaptive policy ngram-mod and ngram-map-k4v beside it)",
     )
     group.add_argument(
         "-me",
@@ -229,8 +233,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
         default="auto",
         choices=BACKENDS,
         help="model forward: native (lean, Llama-family models), hf (transformers'), llama.cpp "
-        "(GGUF files, with the llama-cpp extra), auto (llama.cpp for GGUF files where installed, "
-        "else native where it runs)",
+        "(GGUF files, and Llama directories through a GGUF written once; the llama-cpp extra), "
+        "auto (llama.cpp for GGUF files where installed, and on a CPU for Llama directories where "
+        "the output stays exact, see docs/gguf.md; else native where it runs)",
     )
     group.add_argument(
         "--passes",
@@ -238,7 +243,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
         choices=PASSES,
         help="native forward's passes: invariant (row-invariant, the CPU's), fixed (CUDA graphs of "
         "one row count: chains bit-identical to plain), bucketed (CUDA graphs of power-of-two row "
-        "counts: fastest, output may differ at near-ties), auto (fixed on a GPU, else invariant)",
+        "counts: fastest, output may differ at near-ties), auto (fixed on a GPU, else invariant); "
+        "llama.cpp: auto/invariant keep drafts to the pass sizes whose rows it probed bit-identical, "
+        "bucketed lets passes take any size",
     )
     group.add_argument(
         "-ngl",
@@ -375,6 +382,44 @@ def add_ngram_args(parser: argparse.ArgumentParser) -> None:
         type=Path,
         help="ngram-cache: dynamic cache file (read, updated, saved after each generation)",
     )
+    add_suffix_args(parser)
+
+
+def add_suffix_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("suffix strategy (SuffixDecoding's defaults)")
+    suffix = SuffixConfig()
+    group.add_argument(
+        "--spec-suffix-max-depth",
+        type=int,
+        default=suffix.max_depth,
+        help="suffix: deepest draft, and longest suffix matched",
+    )
+    group.add_argument(
+        "--spec-suffix-factor",
+        type=float,
+        default=suffix.factor,
+        help="suffix: draft nodes per matched token (a longer match drafts more)",
+    )
+    group.add_argument(
+        "--spec-suffix-min-prob",
+        type=float,
+        default=suffix.min_prob,
+        help="suffix: least frequency of a node among its parent's continuations",
+    )
+    group.add_argument(
+        "--spec-suffix-max-nodes", type=int, default=suffix.max_nodes, help="suffix: most draft nodes"
+    )
+    group.add_argument(
+        "--spec-suffix-cache-mb",
+        type=float,
+        default=suffix.cache_mb,
+        help="suffix: memory for earlier requests (oldest evicted first; 0: this request only)",
+    )
+    group.add_argument(
+        "--spec-suffix-file",
+        type=Path,
+        help="suffix: earlier requests' file (read, updated, saved after each generation)",
+    )
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -419,6 +464,14 @@ def ngram_from_args(args: argparse.Namespace) -> NgramSettings:
         mod=NgramModConfig(args.spec_ngram_mod_n_match, args.spec_ngram_mod_n_min, args.spec_ngram_mod_n_max),
         cache_static=args.lookup_cache_static,
         cache_dynamic=args.lookup_cache_dynamic,
+        suffix=SuffixConfig(
+            args.spec_suffix_max_depth,
+            args.spec_suffix_factor,
+            args.spec_suffix_min_prob,
+            args.spec_suffix_max_nodes,
+            args.spec_suffix_cache_mb,
+        ),
+        suffix_file=args.spec_suffix_file,
     )
 
 
@@ -457,7 +510,7 @@ def check_tree_flags(args: argparse.Namespace, uses_draft: bool, uses_eagle3: bo
 
 def load_options(args: argparse.Namespace) -> tuple[LoadOptions, LoadOptions]:
     """The target's and the draft's loading options (the draft's default to the target's)."""
-    from specdecode.backends.hf import LoadOptions
+    from specdecode.backends.options import LoadOptions
 
     for flag, value, least in (
         ("-c/--ctx-size", args.ctx_size, 0),
@@ -526,6 +579,8 @@ def pipeline_from_args(args: argparse.Namespace) -> Pipeline:
     for backend in (pipeline.target, pipeline.draft):
         if getattr(backend, "dtype_note", None):  # the dtype "auto" chose, where the CPU decided it
             print(f"note: {backend.dtype_note}", file=sys.stderr)
+        if getattr(backend, "backend_note", None):  # the backend "auto" chose (llama.cpp or not)
+            print(f"note: {backend.backend_note}", file=sys.stderr)
     # Backends whose rows may vary with the pass (llama.cpp's, the graph passes) say so up front
     # (asked by name: llama.cpp's module is imported only for GGUF files)
     row_variance_warning = getattr(pipeline.target, "row_variance_warning", None)
@@ -534,6 +589,9 @@ def pipeline_from_args(args: argparse.Namespace) -> Pipeline:
         warning = row_variance_warning(trees=config.n_parallel > 1 or config.tree_tokens > 0)
         if warning is not None:
             print(f"warning: {warning}", file=sys.stderr)
+    row_cap_note = getattr(pipeline.target, "row_cap_note", None)  # llama.cpp's drafts kept exact
+    if pipeline.spec_types and row_cap_note is not None and (note := row_cap_note()) is not None:
+        print(f"note: {note}", file=sys.stderr)
     return pipeline
 
 
@@ -781,10 +839,14 @@ def build_parser() -> Parser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = list(argv) if argv is not None else sys.argv[1:]  # what `train --nproc` starts again
+    # Loading bars would bury the one line that matters. transformers reads the variable when
+    # imported, which a command does only where it needs it (not for a GGUF file on llama.cpp).
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     try:
-        from transformers.utils import logging as hf_logging
+        if "transformers" in sys.modules:
+            from transformers.utils import logging as hf_logging
 
-        hf_logging.disable_progress_bar()  # loading bars would bury the one line that matters
+            hf_logging.disable_progress_bar()
         args.handler(args)
     except SpecdecodeError as exc:
         print(f"error: {exc}", file=sys.stderr)

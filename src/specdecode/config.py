@@ -23,8 +23,15 @@ VERIFY_MODES = ("match", "rejection")
 # GGUF file types the writer makes itself, by their gguf.LlamaFileType names (each tensor's type
 # is the gguf.GGMLQuantizationType of the format's upper-case name); q4_k needs llama.cpp's
 # quantizer (the llama-cpp extra).
-GGUF_FORMATS = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16", "q8_0": "MOSTLY_Q8_0"}
-LLAMA_CPP_FORMATS = ("q4_k",)
+GGUF_FORMATS = {  # written by the gguf package's own quantizer
+    "f32": "ALL_F32",
+    "f16": "MOSTLY_F16",
+    "bf16": "MOSTLY_BF16",
+    "q8_0": "MOSTLY_Q8_0",
+    "q4_0": "MOSTLY_Q4_0",
+    "q4_1": "MOSTLY_Q4_1",
+}
+LLAMA_CPP_FORMATS = ("q4_k", "q6_k")  # k-quants: llama.cpp's quantizer (q4_k: its Q4_K_M mix)
 
 # The strategies in llama.cpp's fixed order, cheapest first; the chain instantiates the enabled
 # ones in this order whatever order they were named in. `forced` (constrained generation only)
@@ -36,6 +43,7 @@ PRIORITY = (
     "ngram-map-k4v",
     "ngram-mod",
     "ngram-cache",
+    "suffix",
     "draft",
     "eagle3",
     "forced",
@@ -175,8 +183,35 @@ class NgramModConfig:
 
 
 @dataclass(frozen=True)
+class SuffixConfig:
+    """The suffix strategy (SuffixDecoding's defaults where it has them): drafts at most
+    max_depth tokens deep (the longest suffix matched is as long), at most factor x the
+    matched length nodes (and never more than max_nodes), each node's token having followed
+    its path with a frequency of at least min_prob; the process-wide index of earlier requests
+    is kept under cache_mb megabytes, the oldest requests evicted first."""
+
+    max_depth: int = 24
+    factor: float = 1.0
+    min_prob: float = 0.1
+    max_nodes: int = 32
+    cache_mb: float = 256.0
+
+    def __post_init__(self) -> None:
+        checks = [
+            (1 <= self.max_depth <= 256, "--spec-suffix-max-depth must be in 1..256"),
+            (math.isfinite(self.factor) and self.factor > 0.0, "--spec-suffix-factor must be > 0"),
+            (0.0 <= self.min_prob <= 1.0, "--spec-suffix-min-prob must be in [0, 1]"),
+            (1 <= self.max_nodes <= 1024, "--spec-suffix-max-nodes must be in 1..1024"),
+            (math.isfinite(self.cache_mb) and self.cache_mb >= 0.0, "--spec-suffix-cache-mb must be >= 0"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise SpecdecodeError(message)
+
+
+@dataclass(frozen=True)
 class NgramSettings:
-    """Settings of the model-free strategies (llama.cpp's defaults)."""
+    """Settings of the model-free strategies (llama.cpp's defaults; suffix: SuffixDecoding's)."""
 
     simple: NgramMapConfig = field(default_factory=NgramMapConfig)
     map_k: NgramMapConfig = field(default_factory=NgramMapConfig)
@@ -184,3 +219,5 @@ class NgramSettings:
     mod: NgramModConfig = field(default_factory=NgramModConfig)
     cache_static: Path | None = None  # -lcs: read once
     cache_dynamic: Path | None = None  # -lcd: read once, updated and saved after each generation
+    suffix: SuffixConfig = field(default_factory=SuffixConfig)
+    suffix_file: Path | None = None  # --spec-suffix-file: read once, saved after each generation

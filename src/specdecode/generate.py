@@ -181,6 +181,10 @@ class Generation:
         depth = min(room, self._remaining() - 1)  # tokens a step may still accept
         if max_draft is not None:
             room, depth = min(room, max_draft), min(depth, max_draft)
+        # llama.cpp: drafts kept to the pass sizes whose rows its probe found bit-identical
+        exact_room = getattr(self.target, "draft_room", None)
+        if exact_room is not None and (cap := exact_room()) is not None:
+            room, depth = min(room, cap), min(depth, cap)
         start = time.perf_counter()
         draft = self.chain.draft(history, last, depth, room, load) if self.chain and depth > 0 else Draft()
         t_draft = time.perf_counter() - start

@@ -27,8 +27,9 @@ from pathlib import Path
 
 from transformers import PreTrainedTokenizerBase
 
-from specdecode.backends.gguf_files import is_gguf, load_gguf_tokenizer
+from specdecode.backends.gguf_files import load_gguf_tokenizer
 from specdecode.backends.hf import load_tokenizer
+from specdecode.backends.load import is_gguf
 from specdecode.defaults import resolve_models
 from specdecode.errors import SpecdecodeError, read_text_file
 from specdecode.strategies.ngram_cache import (

@@ -4,7 +4,8 @@ Timing the target's passes at load costs seconds to tens of seconds on a large m
 every run, for numbers that change only with the model's shape, the backend, the dtype, the
 threads, the device and the machine. So they are stored, one small JSON file per such key, in
 `$XDG_CACHE_HOME/specdecode/pass-costs/` (~/.cache by default). The policy still learns from the
-passes it runs, so a stored timing only has to be a good start.
+passes it runs, so a stored timing only has to be a good start. llama.cpp's row-invariance
+probe keeps its verdict the same way (`read_value`, `write_value`), under a key of its own.
 
 A model is known by its files (a directory by its config.json and its weight files' names,
 sizes and modification times; a GGUF file by its path, size and modification time); a model
@@ -54,6 +55,7 @@ def cache_key(backend: Backend, rows: tuple[int, ...]) -> dict[str, Any] | None:
         "model": model,
         "backend": type(backend).__name__,
         "repack": getattr(weights, "repack", None),  # llama.cpp's weight layouts have kernels of their own
+        "kernels": getattr(weights, "kernels", None),  # llama.cpp's libraries and kernel switches
         "dtype": dtype,
         "threads": getattr(backend, "threads", None) or _torch_threads(),
         "device": _device_name(str(getattr(backend, "device", "cpu"))),
@@ -66,14 +68,11 @@ def cache_key(backend: Backend, rows: tuple[int, ...]) -> dict[str, Any] | None:
 
 def read(key: dict[str, Any]) -> dict[int, float] | None:
     """The timings stored under `key` (rows -> seconds), or None where there are none usable."""
-    try:
-        stored = json.loads(_path(key).read_text())
-    except (OSError, RuntimeError, ValueError):  # RuntimeError: no home directory to find the cache in
-        return None
-    if not isinstance(stored, dict) or stored.get("key") != key or not isinstance(stored.get("costs"), dict):
+    stored = read_value(key, "costs")
+    if not isinstance(stored, dict):
         return None
     try:
-        costs = {int(rows): float(seconds) for rows, seconds in stored["costs"].items()}
+        costs = {int(rows): float(seconds) for rows, seconds in stored.items()}
     except (TypeError, ValueError):
         return None
     if not costs or any(not math.isfinite(s) or s <= 0 or n not in key["rows"] for n, s in costs.items()):
@@ -82,9 +81,28 @@ def read(key: dict[str, Any]) -> dict[int, float] | None:
 
 
 def write(key: dict[str, Any], costs: dict[int, float]) -> None:
-    """Store `costs` under `key`, whole or not at all (written beside it, then renamed into
-    place, so that a reader never sees half a file); a cache that cannot be written is skipped."""
-    text = json.dumps({"key": key, "costs": {str(n): s for n, s in sorted(costs.items())}}, indent=1)
+    """Store `costs` under `key` (see `write_value`)."""
+    write_value(key, "costs", {str(n): s for n, s in sorted(costs.items())})
+
+
+def read_value(key: dict[str, Any], field: str) -> Any:
+    """What `write_value` stored as `field` under `key`, or None where nothing readable is
+    stored for it: the one lookup for whatever is measured once per model and machine
+    (llama.cpp's row-invariance probe keeps its verdict here too, under a key of its own)."""
+    try:
+        stored = json.loads(_path(key).read_text())
+    except (OSError, RuntimeError, ValueError):  # RuntimeError: no home directory to find the cache in
+        return None
+    if not isinstance(stored, dict) or stored.get("key") != key:
+        return None
+    return stored.get(field)
+
+
+def write_value(key: dict[str, Any], field: str, value: Any) -> None:
+    """Store `value` (JSON) as `field` under `key`, whole or not at all (written beside it,
+    then renamed into place, so that a reader never sees half a file); a cache that cannot be
+    written is skipped."""
+    text = json.dumps({"key": key, field: value}, indent=1)
     try:
         path = _path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -142,5 +160,3 @@ def _device_name(device: str) -> str:
     import torch
 
     return f"{device} {torch.cuda.get_device_name(torch.device(device))}"
-
-

@@ -8,7 +8,8 @@ depends on the text, the models and the machine, so `adaptive` measures instead:
   second slope beyond (once passes that long have run), a step up from one row to several
   (a kernel's shape changes there) and a cost per sequence sharing the pass (once batches
   have run), fitted to passes timed briefly at load and to the passes actually run, recent
-  ones weighing more (contexts grow, machines get busy); and the seconds
+  ones weighing more (contexts grow, machines get busy), the timings scaled to the speed the
+  passes run at now (their shape holds where the machine slows every size alike); and the seconds
   of a drafting model's call as a line in its steps and in the tokens it reads first (those
   verified since its last call: a few when it runs every step, a whole gap after it idled),
   starting from its one-row pass timed at load.
@@ -28,7 +29,9 @@ depends on the text, the models and the machine, so `adaptive` measures instead:
   strategy that never gets accepted stops being paid for; a drafting model not run for a
   while is tried again, in case the text changed, with a short draft (a probe), ever more
   rarely while such probes keep losing; a probe that wins stands for the model's record, as
-  the text it found.
+  the text it found. A model never run, or due for a probe, is run only where its best case
+  (a draft all kept, at its step cost timed at load and the pass curve) beats the step's
+  other candidates: where no draft of it could pay, it is never run.
 
 Where verification keeps a draft token exactly when it equals the token emitted at its place
 (`match`, or greedy sampling), every model-free draft is scored whole against the tokens
@@ -110,10 +113,12 @@ class CostModel:
     size's noisy timing must not make one more row look free or dear. The second slope c is
     fitted only once passes longer than KNOT rows were timed or run (a CPU's long passes grow
     faster than its short ones), s once passes of several sequences were (each attends to its
-    own cache), and m once passes of one row and of two sizes of several were run (on a CPU the
-    second row can cost twice what each next one does, after a long context: one row multiplies
-    vectors, several multiply matrices; a line through them all made a doubtful one-token draft
-    look nearly free); until then the line goes on."""
+    own cache), and m once passes of one row and of two sizes of several were timed or run (on a
+    CPU the second row can cost twice what each next one does, after a long context: one row
+    multiplies vectors, several multiply matrices; a line through them all made a doubtful
+    one-token draft look nearly free, and, through the timings of a Q4_K target on two cores
+    where each row costs nearly a one-row pass, put the one-row pass 60% above its timing, so
+    that plain steps looked dear and drafts cheap); until then the line goes on."""
 
     def __init__(self) -> None:
         self.calibrated: dict[int, float] = {}  # rows -> the load-time median
@@ -124,6 +129,9 @@ class CostModel:
         self._curve: tuple[float, ...] | None = None  # (a, b, c, s, m)
         self._stale = 0.0  # passes observed since the last fit
         self._times: dict[tuple[float, int], float] = {}  # (rows, sequences) -> pass_time now
+        # decayed sums over the one-sequence passes run: their seconds, and the timings' fit's
+        self._drift = [0.0, 0.0]
+        self._timed: tuple[tuple[tuple[int, float], ...], np.ndarray] | None = None  # (timings, fit)
 
     def calibrate(self, backend: Backend, rows: tuple[int, ...] = CALIBRATION_ROWS) -> None:
         """Time passes of each row count on the target (`time_passes`)."""
@@ -137,6 +145,10 @@ class CostModel:
         kept beside it: the fit the policy acted on, which a multi-task run's final model is not."""
         predicted = self.pass_time(rows, sequences)  # the curve in force (a policy refits before it)
         self._sums.observe(_features(rows, sequences), seconds, weight)
+        if sequences == 1 and rows <= max(self.calibrated, default=0):  # within the timings' sizes
+            decay = FIT_DECAY**weight
+            timed = sum(v * f for v, f in zip(self._timed_curve(), _features(rows), strict=True))
+            self._drift = [decay * self._drift[0] + weight * seconds, decay * self._drift[1] + weight * timed]
         self._stale += weight
         totals = self.measured.setdefault((rows, sequences), [0.0, 0.0, 0.0])
         totals[0] += weight
@@ -158,30 +170,47 @@ class CostModel:
         return self._times[key]
 
     def _fit(self) -> np.ndarray:
-        """(a, b, c, s, m) of the weighted least-squares fit, b >= 0, c >= -b, s >= 0 and m >= 0
-        (costs never fall with more rows or sequences); the prior's before any timing. The
+        """(a, b, c, s, m) of the weighted least-squares fit, a + b > 0 (a one-row pass costs
+        something; a may be 0 or below where each row costs as much as a one-row pass or more,
+        which the mean, flat, made look free), b >= 0, c >= -b, s >= 0 and m >= 0 (costs never
+        fall with more rows or sequences); the prior's before any timing. The
         second slope, the cost per sequence and the step from one row are fitted where passes
         showed them, as many of them as keep those bounds (the simpler line where none does)."""
-        seeds = self.calibrated or {1: PRIOR_PASS, KNOT: PRIOR_PASS * _prior_shape(KNOT)}
         gram, moment = self._sums.arrays()
+        timed_gram, timed_moment = self._timings_sums()
+        return _bounded_fit(
+            gram + timed_gram,
+            moment + self.drift() * timed_moment,
+            set(self.calibrated) | {rows for rows, _ in self.measured},
+        )
+
+    def drift(self) -> float:
+        """How much slower (> 1) or faster the one-sequence passes run lately took than the
+        load-time timings' fit says: a busier machine, or a longer context. The timings enter
+        the fit scaled by it, as the shape of the costs at the speed the passes run at now:
+        unscaled, where each row costs a one-row pass, plain steps on a machine three times as
+        busy as at load made each row past the first cost a third of a one-row pass, and a draft
+        model that could not pay looked as if it did."""
+        seconds, timed = self._drift
+        return seconds / timed if timed > 0 else 1.0
+
+    def _timings_sums(self) -> tuple[np.ndarray, np.ndarray]:
+        """The normal equations of the load-time timings (each worth CALIBRATION_WEIGHT passes),
+        or of the prior before any."""
+        seeds = self.calibrated or {1: PRIOR_PASS, KNOT: PRIOR_PASS * _prior_shape(KNOT)}
+        gram, moment = np.zeros((5, 5)), np.zeros(5)
         for n, seconds in seeds.items():
             features = np.array(_features(n))
             gram += CALIBRATION_WEIGHT * np.outer(features, features)
             moment += CALIBRATION_WEIGHT * features * seconds
-        seen = [column for column in (2, 3) if gram[column, column] > 0]
-        run = {rows for rows, _ in self.measured}
-        if 1 in run and len(run - {1}) >= 2:  # passes run tell the step from the slope
-            seen.append(4)
-        for size in range(len(seen), -1, -1):
-            for optional in combinations(seen, size):
-                columns = [0, 1, *optional]
-                curve = np.zeros(5)
-                curve[columns] = _solve(gram[np.ix_(columns, columns)], moment[columns])
-                a, b, c, s, m = curve
-                if a > 0 and b >= 0 and c >= -b and s >= 0 and m >= 0:
-                    return curve
-        # Never a pass for free, never cheaper with more rows: the mean, flat.
-        return np.array([moment[0] / gram[0, 0], 0.0, 0.0, 0.0, 0.0])
+        return gram, moment
+
+    def _timed_curve(self) -> np.ndarray:
+        """The fit of the load-time timings alone (remembered while they stay the same)."""
+        key = tuple(sorted(self.calibrated.items()))
+        if self._timed is None or self._timed[0] != key:
+            self._timed = (key, _bounded_fit(*self._timings_sums(), set(self.calibrated)))
+        return self._timed[1]
 
     def observe_draft(self, strategy: str, steps: int, seconds: float, missed: int) -> None:
         """A call of the drafting model `strategy` read the `missed` tokens verified since its
@@ -190,12 +219,22 @@ class CostModel:
 
     def step_time(self, strategy: str) -> float:
         """The seconds one more step of a drafting model adds to its call."""
-        return self._draft_calls(strategy).line()[1]
+        return self._draft_line(strategy)[1]
 
     def draft_time(self, strategy: str, steps: float, missed: float) -> float:
         """The seconds of a call of `steps` steps that first reads `missed` tokens."""
-        a, b, g = self._draft_calls(strategy).line()
+        a, b, g = self._draft_line(strategy)
         return a + b * steps + g * missed
+
+    def _draft_line(self, strategy: str) -> tuple[float, float, float]:
+        """The model's call cost line; until its calls have run, its load-time timing at the
+        target's `drift` (the machine that slowed the target slows the model too)."""
+        calls = self._draft_calls(strategy)
+        if calls.calls:
+            return calls.line()
+        scale = self.drift()
+        a, b, g = calls.line()
+        return scale * a, scale * b, scale * g
 
     def _draft_calls(self, strategy: str) -> DraftCalls:
         if strategy not in self.draft_calls:
@@ -225,6 +264,24 @@ class CostModel:
         return rows
 
 
+def _bounded_fit(gram: np.ndarray, moment: np.ndarray, shown: set[int]) -> np.ndarray:
+    """`CostModel._fit`'s (a, b, c, s, m) from the normal equations, `shown` the row counts
+    passes were timed or run at."""
+    seen = [column for column in (2, 3) if gram[column, column] > 0]
+    if 1 in shown and len(shown - {1}) >= 2:  # passes timed or run tell the step from the slope
+        seen.append(4)
+    for size in range(len(seen), -1, -1):
+        for optional in combinations(seen, size):
+            columns = [0, 1, *optional]
+            curve = np.zeros(5)
+            curve[columns] = _solve(gram[np.ix_(columns, columns)], moment[columns])
+            a, b, c, s, m = curve
+            if a + b > 0 and b >= 0 and c >= -b and s >= 0 and m >= 0:
+                return curve
+    # Never a pass for free, never cheaper with more rows: the mean, flat.
+    return np.array([moment[0] / gram[0, 0], 0.0, 0.0, 0.0, 0.0])
+
+
 class DraftCalls:
     """Seconds of a drafting model's calls as a + b * steps + g * missed, fitted to the calls
     run (weights decaying by FIT_DECAY a call). A call first reads the tokens verified since
@@ -237,12 +294,15 @@ class DraftCalls:
     def __init__(self, prior: float) -> None:
         self._sums = DecayedSums(3)  # features (1, steps, missed)
         self._line: tuple[float, float, float] | None = None
+        self.calls = 0
         for steps in (1, 2):
             self.observe(steps, prior * steps, 0)
+        self.calls = 0  # the calls run: the prior's pseudo-calls are none of them
 
     def observe(self, steps: int, seconds: float, missed: int) -> None:
         self._sums.observe((1.0, float(steps), float(missed)), seconds)
         self._line = None
+        self.calls += 1
 
     def line(self) -> tuple[float, float, float]:
         """(a, b, g), each >= 0: the fit with as many of them as keep that (the gap's cost is
@@ -718,13 +778,30 @@ class AdaptivePolicy:
         best = max(range(len(gains)), key=lambda k: (gains[k], -k))
         return best, gains[best]
 
-    def model_gain(self, strategy: str, t_sunk: float, rate: float) -> float:
+    def model_gain(self, strategy: str, t_sunk: float, rate: float, n_max: int) -> float:
         """A drafting model's expected gain: the tokens its steps emitted, less what its steps'
-        draft length costs now; infinite when it has never run or is due for another try."""
+        draft length costs now; where it has never run or is due for another try (a probe),
+        the most it could gain (`best_case_gain`)."""
         record = self.models.records.get(self.source(strategy))
         if record is None or self._probing(strategy):
-            return float("inf")
+            return self.best_case_gain(strategy, t_sunk, rate, n_max)
         return self._record_gain(strategy, record, t_sunk, rate, self.missed(strategy))
+
+    def best_case_gain(self, strategy: str, t_sunk: float, rate: float, n_max: int) -> float:
+        """The gain of the model's best draft of up to n_max tokens were every token kept, at its
+        measured step cost (timed at load, then its calls) and the pass curve. A model that has
+        no record to go by is tried only where this beats the rest: on a CPU where each verify
+        row costs nearly a plain step and each draft step a third or half of one (Qwen2.5-Coder
+        1.5B drafted by its 0.5B sibling on llama.cpp, one thread each), no draft pays even
+        when all of it is kept, and each try of the model there only loses."""
+        missed, costs = self.missed(strategy), self.models.costs
+        return max(
+            (
+                k + 1 - rate * (t_sunk + costs.draft_time(strategy, k, missed) + self.pass_seconds(k + 1))
+                for k in range(1, n_max + 1)
+            ),
+            default=-math.inf,
+        )
 
     def _record_gain(self, strategy: str, record: Record, t_sunk: float, rate: float, missed: float) -> float:
         """The gain of a step of `strategy`'s model that gives what `record` says, its call first

@@ -18,7 +18,7 @@ same file works without the compiled extra. The tokenizer transformers builds fr
 vocabulary (minutes for a large one) is built once and cached (`load_gguf_tokenizer`).
 
 The `gguf` package is imported only when a GGUF file is read or written (the `gguf` extra), so
-`is_gguf` and the names of the formats cost nothing where it is not installed.
+the names of the formats cost nothing where it is not installed.
 """
 
 from __future__ import annotations
@@ -56,15 +56,6 @@ def _gguf() -> ModuleType:
     return require("gguf", "reading or writing GGUF files")
 
 
-def is_gguf(path: str | Path) -> bool:
-    """Whether `path` names a GGUF file (by its magic bytes, so any file name works)."""
-    path = Path(path)
-    if not path.is_file():
-        return False
-    with path.open("rb") as handle:
-        return handle.read(4) == b"GGUF"
-
-
 def export_gguf(directory: str | Path, out: str | Path, fmt: str = "f32") -> Path:
     """Write the Llama-family model in `directory` as a GGUF file `out` of type `fmt`."""
     if fmt not in FORMATS and fmt not in LLAMA_CPP_FORMATS:
@@ -73,9 +64,10 @@ def export_gguf(directory: str | Path, out: str | Path, fmt: str = "f32") -> Pat
         )
     directory = check_model_directory(Path(directory))
     config = load_model_config(directory)
-    if config.model_type != "llama" or native_unsupported(config) is not None:
+    # Mistral without sliding windows is a Llama decoder, which llama.cpp's converter writes as "llama" too
+    if config.model_type not in ("llama", "mistral") or native_unsupported(config) is not None:
         reason = native_unsupported(config) or f"model_type {config.model_type!r}"
-        raise SpecdecodeError(f"{directory}: GGUF export writes plain Llama models only ({reason})")
+        raise SpecdecodeError(f"{directory}: GGUF export writes plain Llama and Mistral models ({reason})")
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     if fmt in LLAMA_CPP_FORMATS:
@@ -209,6 +201,17 @@ def _add_tensor(writer: gguf.GGUFWriter, name: str, tensor: np.ndarray, fmt: str
         writer.add_tensor(name, tensor.astype(np.float16))
     else:
         writer.add_tensor(name, gguf.quants.quantize(tensor, qtype), raw_dtype=qtype)
+
+
+def dequantized_tensor(path: Path, name: str) -> torch.Tensor:
+    """One tensor of a GGUF file as float32, in PyTorch's shape (rows first)."""
+    gguf = _gguf()
+    tensor = next((t for t in gguf.GGUFReader(path).tensors if t.name == name), None)
+    if tensor is None:
+        raise SpecdecodeError(f"{path} holds no tensor {name}")
+    data = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    shape = tuple(int(n) for n in reversed(tensor.shape))
+    return torch.from_numpy(np.array(data, dtype=np.float32).reshape(shape))
 
 
 def load_gguf_model(path: Path, dtype: torch.dtype, dense: bool = False):

@@ -6,7 +6,6 @@ import copy
 import inspect
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -23,41 +22,13 @@ from transformers import (
 
 from specdecode.backends import VocabInfo, check_cache_room
 from specdecode.backends.hidden import HiddenRecorder, HiddenRows, recording
+from specdecode.backends.options import LoadOptions as LoadOptions  # re-exported: the tools read it here
 from specdecode.backends.tree import PendingTree, check_tree_room
-from specdecode.config import DTYPE_NAMES, PASSES
+from specdecode.config import DTYPE_NAMES
 from specdecode.errors import SpecdecodeError
 
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
-
-
-@dataclass(frozen=True)
-class LoadOptions:
-    """How to load one model. n_ctx 0 means the model's own maximum context."""
-
-    device: str = "cpu"
-    dtype: str = "auto"  # "auto": the stored dtype on a GPU, float32 on the CPU
-    threads: int | None = None
-    n_ctx: int = 0
-    n_batch: int = 512
-    backend: str = "auto"  # "auto": native for the model types it runs, else "hf" (see load_backend)
-    gpu_layers: int | None = None  # llama.cpp: layers offloaded to the GPU (None: all on a GPU device)
-    repack: bool = True  # llama.cpp: repacked (interleaved) CPU weight layouts, its --no-repack
-    # native: "invariant" (row-invariant passes), "fixed" or "bucketed" (graph passes, see
-    # specdecode.backends.graph); "auto": fixed on a GPU, invariant on the CPU
-    passes: str = "auto"
-
-    def __post_init__(self) -> None:
-        if self.n_ctx < 0:
-            raise SpecdecodeError(f"the context size must be >= 0 (0: the model's own), not {self.n_ctx}")
-        if self.n_batch < 1:
-            raise SpecdecodeError(f"the batch size must be >= 1, not {self.n_batch}")
-        if self.threads is not None and self.threads < 1:
-            raise SpecdecodeError(f"the thread count must be >= 1, not {self.threads}")
-        if self.gpu_layers is not None and self.gpu_layers < 0:
-            raise SpecdecodeError(f"the GPU layer count must be >= 0, not {self.gpu_layers}")
-        if self.passes not in PASSES:
-            raise SpecdecodeError(f"unknown kind of passes {self.passes!r} (choose from {', '.join(PASSES)})")
 
 
 class HFBackend:
@@ -69,6 +40,9 @@ class HFBackend:
     half_precision_on_cpu = False
     # Why the weights run in another dtype than the stored one, for a command to say (see `load`).
     dtype_note: str | None = None
+    # Which backend `--backend auto` chose for a directory and why, where llama.cpp's was a
+    # candidate (see `specdecode.backends.hf_gguf`), for a command to say.
+    backend_note: str | None = None
 
     def __init__(
         self,

@@ -19,24 +19,32 @@ the same row scored alone on a Q8_0 file whose passes of up to 64 rows agreed, p
 the probe tries). So a prompt keeps only the cached prefix that a fresh run would have built the same way,
 whole `n_batch` chunks from position 0, and scores the rest in the chunks a fresh run scores
 it in (see `reusable_prefix`).
+
+An EAGLE-3 head reads the target's hidden states: the inputs of the layers it names, which
+llama.cpp captures for every row of a pass (`capture_hidden`), one row per cached position.
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from transformers import PreTrainedTokenizerBase
 
+from specdecode import pass_cache
 from specdecode.backends import VocabInfo, check_cache_room
-from specdecode.backends.gguf_files import load_gguf_tokenizer
-from specdecode.backends.hf import LoadOptions
+from specdecode.backends.hidden import HiddenRows
+from specdecode.backends.options import LoadOptions
 from specdecode.backends.tree import PendingTree, check_tree_room
 from specdecode.errors import SpecdecodeError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 try:
     import llama_cpp
@@ -59,6 +67,11 @@ PROBE_TEXT = (
 )
 PROBE_CONTEXT = 8
 PROBE_PASSES = (2, 3, 4, 5, 7, 8, 9, 16, 17)
+PROBE_FORMAT = 1  # of the probe's stored verdicts (see LlamaCppBackend.invariant)
+# ggml's switch for its tiled K-quant (Q2_K..Q6_K, IQ*) matrix product, which it takes for
+# passes of 8 rows and more of weights kept in the file's layout: its sums round a row
+# otherwise than the one-row dot product. ggml reads it once per process, at the first product.
+TILED_SWITCH = "GGML_CPU_TILED_MM"
 _quiet_log = None  # the logging callback, kept alive while llama.cpp may call it
 
 
@@ -69,6 +82,47 @@ def available() -> bool:
 def _require() -> None:
     if llama_cpp is None:
         raise SpecdecodeError(f"the llama.cpp backend needs llama-cpp-python: {INSTALL_HINT}")
+
+
+def _kernels() -> dict[str, object]:
+    """What decides which kernels llama.cpp runs besides the model and its options: the
+    libraries loaded (their names, sizes and modification times: LLAMA_CPP_LIB_PATH picks
+    another build) and ggml's tiled-product switch. Part of the keys of what is measured once
+    and kept (the probe's verdict, pass timings)."""
+    library = Path(llama_cpp.llama_cpp._lib._name).resolve().parent
+    files = sorted(library.glob("lib*.so*")) + sorted(library.glob("*.dylib")) + sorted(library.glob("*.dll"))
+    return {
+        "library": str(library),
+        "files": [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files],
+        "tiled": os.environ.get(TILED_SWITCH),
+    }
+
+
+# llama.cpp's staging API (src/llama-ext.h) for the inputs of a model's layers, which its own
+# EAGLE-3 drafting reads: declared without C linkage, so exported under C++ (Itanium) names,
+# and not bound by llama-cpp-python. Resolved on first use; a build without them refuses heads.
+LAYER_INPUT_SYMBOLS = {
+    "set": "_Z30llama_set_embeddings_layer_inpP13llama_contextjb",
+    "get": "_Z30llama_get_embeddings_layer_inpP13llama_contextj",
+}
+_layer_inputs: dict[str, ctypes._CFuncPtr] = {}
+
+
+def _layer_input_api() -> dict[str, ctypes._CFuncPtr]:
+    """(set, get) of llama.cpp's layer-input capture, or a clear error where the build lacks them."""
+    if not _layer_inputs:
+        library = llama_cpp.llama_cpp._lib
+        try:
+            setter, getter = (library[LAYER_INPUT_SYMBOLS[name]] for name in ("set", "get"))
+        except AttributeError:
+            raise SpecdecodeError(
+                "this llama.cpp build does not export llama_set/get_embeddings_layer_inp, which an "
+                "EAGLE-3 head needs to read the target's hidden states (--backend native runs it)"
+            ) from None
+        setter.argtypes, setter.restype = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_bool], None
+        getter.argtypes, getter.restype = [ctypes.c_void_p, ctypes.c_uint32], ctypes.POINTER(ctypes.c_float)
+        _layer_inputs.update(set=setter, get=getter)
+    return _layer_inputs
 
 
 def silence_logs() -> None:
@@ -85,7 +139,8 @@ def quantize(source: Path, out: Path, fmt: str) -> None:
         raise SpecdecodeError(f"GGUF type {fmt} needs llama.cpp's quantizer: {INSTALL_HINT}")
     silence_logs()
     params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = {"q4_k": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M}[fmt]
+    ftypes = {"q4_k": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M, "q6_k": llama_cpp.LLAMA_FTYPE_MOSTLY_Q6_K}
+    params.ftype = ftypes[fmt]
     if llama_cpp.llama_model_quantize(str(source).encode(), str(out).encode(), params) != 0:
         raise SpecdecodeError(f"llama.cpp could not quantize {source} to {fmt}")
 
@@ -121,16 +176,24 @@ class LlamaModel:
 
     repack: whether llama.cpp may repack weights into its interleaved CPU layouts (its
     `use_extra_bufts`, llama.cpp's `--repack`/`--no-repack`). Those layouts have their own
-    batched kernels, which round a row differently from the one-row path."""
+    batched kernels, which round a row differently from the one-row path.
+
+    ggml's tiled K-quant product is switched off (TILED_SWITCH) unless the environment already
+    says otherwise: with it, a K-quant file's rows agree with one-row passes only in passes of
+    up to 7 rows; without it, in passes of every probed size (it serves passes of 8 rows and
+    more, a long prompt's chunks among them)."""
 
     def __init__(self, path: Path, gpu_layers: int, repack: bool = True) -> None:
         _require()
+        os.environ.setdefault(TILED_SWITCH, "0")
         silence_logs()
         llama_cpp.llama_backend_init()
         params = llama_cpp.llama_model_default_params()
         params.n_gpu_layers = gpu_layers
         params.use_extra_bufts = repack
         self.repack = repack
+        self.embeddings: torch.Tensor | None = None  # token embeddings, read on first use (EAGLE-3)
+        self.kernels = _kernels()
         self.pointer = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
         if not self.pointer:
             raise SpecdecodeError(f"llama.cpp cannot load {path} (not a model file it knows)")
@@ -146,6 +209,8 @@ class LlamaModel:
         server's chat templates and text routes work with (the same ids as llama.cpp's on
         files `specdecode export` writes)."""
         if self._tokenizer is None:
+            from specdecode.backends.gguf_files import load_gguf_tokenizer  # transformers: seconds of imports
+
             self._tokenizer = load_gguf_tokenizer(self.path)
         return self._tokenizer
 
@@ -158,6 +223,9 @@ class LlamaModel:
 class LlamaCppBackend:
     """A GGUF model on llama.cpp's kernels (see `specdecode.backends.Backend`)."""
 
+    # Set where `--backend auto` ran a Hugging Face directory here (see `specdecode.backends.hf_gguf`).
+    backend_note: str | None = None
+
     def __init__(
         self,
         model: LlamaModel,
@@ -166,9 +234,13 @@ class LlamaCppBackend:
         n_batch: int = 512,
         threads: int | None = None,
         name: str = "model",
+        exact: bool = True,
     ) -> None:
         self.model = model
         self.name = name
+        # Whether drafts are kept to the passes whose rows the probe found bit-identical (see
+        # `draft_room`); False (--passes bucketed) lets every pass take any size
+        self.exact = exact
         self.device = torch.device("cpu")  # where logits arrive (llama.cpp places its layers itself)
         self.n_batch = n_batch
         self.threads = threads
@@ -194,29 +266,79 @@ class LlamaCppBackend:
         self._tree = PendingTree()
         self._texts: list[str] | None = None
         self.vocab = self._vocab_info()
+        self.n_layers = int(llama_cpp.llama_model_n_layer(model.pointer))
+        self.hidden_size = int(llama_cpp.llama_model_n_embd(model.pointer))
+        self._hidden: HiddenRows | None = None  # rows of the captured layers (see capture_hidden)
 
     @property
     def invariant(self) -> bool:
         """Whether llama.cpp gives a row the same bits in a pass of several rows as alone, as
         far as the probe saw (see `probe_invariance`, run once per loaded model on first use):
         what makes speculative output equal plain output bit for bit rather than up to a
-        near-tie. Only the target's rows decide the output."""
+        near-tie. Only the target's rows decide the output.
+
+        The verdict is kept with the pass timings (see `specdecode.pass_cache`), keyed by the
+        file, the repacking, the threads, the machine and llama.cpp's libraries and switches,
+        so that the probe runs once per such key rather than at every start."""
         if self.model.probe is None:
-            self.model.probe = self.probe_invariance()
+            key = self._probe_key()
+            stored = pass_cache.read_value(key, "probe") if key is not None else None
+            try:
+                probe, rows = RowAgreement(*stored[:3]), int(stored[3])
+            except (TypeError, ValueError, IndexError):  # nothing stored, or not a verdict
+                probe, rows = self.probe_invariance(), self.model.invariant_rows
+                verdict = [probe.rows, probe.identical, probe.same_argmax, rows]
+                if key is not None:
+                    pass_cache.write_value(key, "probe", verdict)
+            self.model.probe, self.model.invariant_rows = probe, rows
         return self.model.probe.invariant
+
+    def _probe_key(self) -> dict[str, object] | None:
+        key = pass_cache.cache_key(self, PROBE_PASSES) if pass_cache.enabled() else None
+        return None if key is None else {**key, "n_ctx": None, "probe": PROBE_FORMAT, "text": PROBE_TEXT}
+
+    @property
+    def row_cap(self) -> int | None:
+        """The most rows a pass after the prompt may hold for its rows to get the bits plain
+        generation gives them, where exactness is asked for and the probe found the rows
+        invariant only up to some pass size (at least 1: then nothing is drafted); None where
+        passes of any probed size agree, or speed was asked for over exactness."""
+        if not self.exact or self.invariant:
+            return None
+        return max(1, self.model.invariant_rows)
+
+    def draft_room(self) -> int | None:
+        """The most draft tokens the next verify pass may carry within `row_cap` (None: no
+        limit). A committed tree path is owed (see `commit`) and rides in that pass too."""
+        cap = self.row_cap
+        return None if cap is None else max(0, cap - 1 - len(self._owed))
+
+    def row_cap_note(self) -> str | None:
+        """The line a speculative run on this model is told when its drafts are capped."""
+        cap = self.row_cap
+        if cap is None:
+            return None
+        where = f"in passes of up to {cap} rows" if cap > 1 else "in one-row passes"
+        kept = f"drafts are capped at {cap - 1} tokens a step" if cap > 1 else "nothing is drafted"
+        return (
+            f"llama.cpp gives {self.name}'s rows their one-row bits only {where} (probed): {kept} so "
+            "that output equals plain output (--passes bucketed lifts the cap, at near-ties' risk; "
+            "-nr/--no-repack or llama.cpp's row-invariant build may raise it; see docs/gguf.md)"
+        )
 
     def row_variance_warning(self, trees: bool) -> str | None:
         """What a speculative run on this model should be told when its rows are not invariant
-        (`trees`, whether it may draft trees, changes nothing: any multi-row pass may vary)."""
-        if self.invariant:
+        and exactness was given up (--passes bucketed; `trees`, whether it may draft trees,
+        changes nothing: any multi-row pass may vary)."""
+        if self.exact or self.invariant:
             return None
         probe, agreed = self.model.probe, self.model.invariant_rows
         return (
             f"llama.cpp rounds {probe.rows - probe.identical} of {probe.rows} probed rows of {self.name} "
             "differently in multi-row passes than alone"
             + (f" (passes of up to {agreed} rows agreed)" if agreed else "")
-            + ": greedy speculative output equals plain output up to near-ties only (bit for bit: a "
-            "Q8_0 file, --backend native, or llama.cpp's row-invariant build, see docs/gguf.md)"
+            + ": with --passes bucketed, greedy speculative output equals plain output up to near-ties "
+            "only (bit for bit: the default --passes, see docs/gguf.md)"
         )
 
     def probe_invariance(self) -> RowAgreement:
@@ -263,18 +385,29 @@ class LlamaCppBackend:
             gpu_layers = 999 if options.device != "cpu" else 0  # every layer on a GPU device
         if gpu_layers and not llama_cpp.llama_supports_gpu_offload():
             raise SpecdecodeError("GPU layers (-ngl) asked for, but this llama.cpp build has no GPU")
+        if options.passes == "fixed":
+            raise SpecdecodeError(
+                "--passes fixed is the native backend's CUDA graphs; llama.cpp takes invariant (the "
+                "default: drafts kept to passes whose rows are bit-identical) or bucketed (any pass size)"
+            )
         return cls(
             LlamaModel(path, gpu_layers, options.repack),
             n_ctx=options.n_ctx,
             n_batch=options.n_batch,
             threads=options.threads,
             name=path.stem,
+            exact=options.passes != "bucketed",
         )
 
     def fork(self) -> LlamaCppBackend:
         """A backend over the same loaded weights with its own context (KV cache)."""
         return type(self)(
-            self.model, n_ctx=self.n_ctx, n_batch=self.n_batch, threads=self.threads, name=self.name
+            self.model,
+            n_ctx=self.n_ctx,
+            n_batch=self.n_batch,
+            threads=self.threads,
+            name=self.name,
+            exact=self.exact,
         )
 
     def __del__(self) -> None:
@@ -365,6 +498,7 @@ class LlamaCppBackend:
             for row, token in enumerate(chunk):
                 self._set_row(row, token, position + start + row, (0,), start + row >= first_wanted)
             outputs = self._decode(len(chunk))
+            self._record_hidden(len(chunk))
             if position + start == self._fresh and len(chunk) == self.n_batch:
                 self._fresh += len(chunk)
             if len(outputs):
@@ -388,6 +522,8 @@ class LlamaCppBackend:
             self._owed.clear()
         del self._tokens[n:]
         self._fresh = min(self._fresh, n)
+        if self._hidden is not None:
+            self._hidden.truncate(n)
 
     def reusable_prefix(self, cached: int) -> int:
         """How many of the first `cached` positions (which hold a new prompt's tokens) the
@@ -432,7 +568,9 @@ class LlamaCppBackend:
         for row, node in enumerate(nodes, start=owed):
             position = prefix + self._tree.depths[node] - 1
             self._set_row(row, self._tree.tokens[node], position, members[node], True)
-        return self._decode(owed + len(ids))
+        logits = self._decode(owed + len(ids))
+        self._record_hidden(owed)  # the owed path's rows; tree nodes are not cached positions
+        return logits
 
     def commit(self, path: Sequence[int]) -> None:
         """The path joins the cached tokens, but its cache entries are dropped with the rest of
@@ -445,6 +583,61 @@ class LlamaCppBackend:
         self._drop_tree()
         self._tokens.extend(tokens)
         self._owed.extend(tokens)
+
+    # Hidden states (EAGLE-3): the inputs of the target's layers, as llama.cpp's own drafting reads them.
+
+    def capture_hidden(self, layer_ids: Sequence[int]) -> None:
+        """See `specdecode.backends.HiddenStates`. llama.cpp hands out the input of each layer
+        for every row of a pass, not the last layer's output (its graph keeps only the output
+        rows there): ids up to n_layers - 1."""
+        layer_ids = list(layer_ids)
+        if self._hidden is not None and self._hidden.layer_ids == layer_ids:
+            return
+        beyond = [layer for layer in layer_ids if not 0 <= layer < self.n_layers]
+        if beyond:
+            raise SpecdecodeError(
+                f"{self.name}: llama.cpp exposes the inputs of layers 0..{self.n_layers - 1}, not "
+                f"layer ids {beyond} (the last layer's output): run this head with --backend native"
+            )
+        api = _layer_input_api()
+        for layer in range(self.n_layers):
+            api["set"](self._context, layer, layer in layer_ids)
+        self._hidden = HiddenRows(layer_ids, self.hidden_size) if layer_ids else None
+        self.truncate(0)  # earlier positions have no rows for these layers
+
+    def hidden_states(self, start: int, end: int) -> torch.Tensor:
+        assert self._hidden is not None, "capture_hidden first"
+        if end > len(self._hidden) and self._owed:
+            self._settle()
+        return self._hidden.rows(start, end)
+
+    def input_embeddings(self) -> torch.Tensor:
+        """The file's token embeddings [V, hidden_size], dequantized to float32 once per model."""
+        if self.model.embeddings is None:
+            from specdecode.backends.gguf_files import dequantized_tensor
+
+            self.model.embeddings = dequantized_tensor(self.model.path, "token_embd.weight")
+        return self.model.embeddings
+
+    def _record_hidden(self, rows: int) -> None:
+        """Append the captured layers' rows of the first `rows` rows of the pass just decoded."""
+        if self._hidden is None or rows == 0:
+            return
+        get = _layer_input_api()["get"]
+        layers = [
+            np.ctypeslib.as_array(get(self._context, layer), shape=(rows, self.hidden_size))
+            for layer in self._hidden.layer_ids
+        ]
+        self._hidden.extend(torch.from_numpy(np.concatenate(layers, axis=1)))
+
+    def _settle(self) -> None:
+        """Score the owed path tokens (see `commit`) in a pass of their own, for their rows."""
+        owed, position = self._owed, len(self._tokens) - len(self._owed)
+        for row, token in enumerate(owed):
+            self._set_row(row, token, position + row, (0,), False)
+        self._decode(len(owed))
+        self._record_hidden(len(owed))
+        self._owed = []
 
     def _drop_tree(self) -> None:
         if len(self._tree):

@@ -1,8 +1,11 @@
 """Choosing the backend for a model: a Hugging Face directory runs on the native forward where
 it can, else transformers'; a GGUF file runs on llama.cpp's kernels where llama-cpp-python is
 installed, else it is dequantized into the same PyTorch forwards; a model already in memory
-runs as the directory it might have come from would. llama.cpp's module is imported only for a
-GGUF file, so loading a directory never looks for llama-cpp-python."""
+runs as the directory it might have come from would; on a CPU, a Llama-family directory may run
+on llama.cpp through a GGUF file written from it once (`specdecode.backends.hf_gguf`).
+llama.cpp's module is imported only for a GGUF file or such a directory, and the PyTorch backends
+(transformers with them) only for what runs on them, so a GGUF file on llama.cpp starts without
+transformers' seconds of imports."""
 
 from __future__ import annotations
 
@@ -11,35 +14,32 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from specdecode.backends.gguf_files import is_gguf, load_gguf_model
-from specdecode.backends.graph import GraphBackend
-from specdecode.backends.hf import (
-    HFBackend,
-    LoadOptions,
-    _check_device,
-    _resolve_dtype,
-    check_loaded_model,
-    check_model_directory,
-    load_model_config,
-)
-from specdecode.backends.native import NativeBackend, native_unsupported
+from specdecode.backends.options import LoadOptions
 from specdecode.config import BACKENDS
 from specdecode.errors import SpecdecodeError
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from specdecode.backends.hf import HFBackend
+    from specdecode.backends.hf_gguf import Use
     from specdecode.backends.llama_cpp import LlamaCppBackend
+    from specdecode.backends.native import NativeBackend
 
 # A Hugging Face Hub id: owner/name, each a letter or digit, then letters, digits, ".", "_" or "-"
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
 
 
-def load_backend(path: str | Path, options: LoadOptions = LoadOptions()) -> HFBackend | LlamaCppBackend:
+def load_backend(
+    path: str | Path, options: LoadOptions = LoadOptions(), use: Use = "target"
+) -> HFBackend | LlamaCppBackend:
     """Load a local model with the backend `options.backend` names: "hf" runs transformers'
     forward, "native" the lean Llama-family forward (an error for other models), "llama.cpp"
-    llama.cpp's kernels (GGUF files only), "auto" llama.cpp for a GGUF file where it is
-    installed, else the native forward where it runs."""
+    llama.cpp's kernels (a GGUF file, or a directory through the GGUF written from it), "auto"
+    llama.cpp for a GGUF file where it is installed, for a directory on the CPU where
+    `specdecode.backends.hf_gguf` allows it (`use`: what the model is for, which decides whether
+    its rows must be invariant), else the native forward where it runs."""
     check_backend_name(options.backend)
     check_not_hub_id(path)
     path = Path(path)
@@ -48,8 +48,18 @@ def load_backend(path: str | Path, options: LoadOptions = LoadOptions()) -> HFBa
         raise SpecdecodeError(f"{kind} not found: {path}")
     if is_gguf(path):
         return _load_gguf(path, options)
-    if options.backend == "llama.cpp":
-        raise SpecdecodeError(f"{path}: the llama.cpp backend runs GGUF files (see `specdecode export`)")
+    if options.backend in ("auto", "llama.cpp"):
+        from specdecode.backends.hf_gguf import load_directory
+
+        return load_directory(path, options, use, _load_pytorch)
+    return _load_pytorch(path, options)
+
+
+def _load_pytorch(path: Path, options: LoadOptions) -> HFBackend:
+    """A directory on the native forward where it runs (unless "hf" is asked for), else transformers'."""
+    from specdecode.backends.hf import HFBackend, _check_device, check_model_directory, load_model_config
+    from specdecode.backends.native import native_unsupported
+
     if options.backend == "hf":
         return HFBackend.load(path, options)
     directory = check_model_directory(path)
@@ -68,6 +78,8 @@ def backend_from_model(
     one for a directory (native where it runs, else transformers'), without reading any file.
     The model runs where it is and in its own dtype: `options.device` and `options.dtype` are
     for models read from disk."""
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
     if not isinstance(model, PreTrainedModel):
         raise SpecdecodeError(
             f"cannot run a {type(model).__name__}: give a transformers PreTrainedModel "
@@ -94,6 +106,15 @@ def backend_from_model(
     return _in_memory(model, tokenizer, options, name, Path(name))
 
 
+def is_gguf(path: str | Path) -> bool:
+    """Whether `path` names a GGUF file (by its magic bytes, so any file name works)."""
+    path = Path(path)
+    if not path.is_file():
+        return False
+    with path.open("rb") as handle:
+        return handle.read(4) == b"GGUF"
+
+
 def check_backend_name(backend: str) -> None:
     if backend not in BACKENDS:
         raise SpecdecodeError(f"unknown backend {backend!r} (choose from {', '.join(BACKENDS)})")
@@ -117,8 +138,16 @@ def _load_gguf(path: Path, options: LoadOptions) -> HFBackend | LlamaCppBackend:
         options.backend == "auto" and llama_cpp_backend.available()
     )
     if use_llama_cpp:
-        return llama_cpp_backend.LlamaCppBackend.load(path, options)
+        backend = llama_cpp_backend.LlamaCppBackend.load(path, options)
+        if options.threads:
+            # The sampler's PyTorch work between passes keeps to the threads asked for too: split
+            # over more, its vocabulary-long vectors cost milliseconds of waiting per token.
+            torch.set_num_threads(options.threads)
+        return backend
     # Without llama.cpp's runtime: transformers dequantizes the file into a PyTorch model.
+    from specdecode.backends.gguf_files import load_gguf_model
+    from specdecode.backends.hf import _check_device, _resolve_dtype
+
     device = _check_device(options.device)
     if options.threads:
         torch.set_num_threads(options.threads)
@@ -136,6 +165,9 @@ def _in_memory(
 ) -> HFBackend:
     """The native forward over a model in memory where it runs and `options` allow it, else
     transformers'. where: what the model came from, for messages."""
+    from specdecode.backends.hf import HFBackend, check_loaded_model
+    from specdecode.backends.native import native_unsupported
+
     check_loaded_model(model, tokenizer, where)
     reason = native_unsupported(model.config)
     if options.backend == "native" and reason is not None:
@@ -155,6 +187,9 @@ def _in_memory(
 
 def native_kind(passes: str, device: torch.device) -> type[NativeBackend]:
     """The native forward's class for a kind of passes ("auto": graph passes on a GPU)."""
+    from specdecode.backends.graph import GraphBackend
+    from specdecode.backends.native import NativeBackend
+
     if passes == "invariant" or (passes == "auto" and device.type != "cuda"):
         return NativeBackend
     return GraphBackend

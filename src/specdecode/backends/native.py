@@ -20,6 +20,14 @@ order of summation shows (see `_order_probe`). A projection runs as one product 
 passes; else as the cheapest `Plan` that passes: a sum of K-slices (in float32 at least),
 products of a band of row counts whose kernels agree (a shorter pass padded with zero rows, a
 longer one split), or, failing all, one row at a time.
+
+Which kernel: on a CPU, oneDNN's product over a weight packed at load is tried first. BLAS's
+(MKL's) float32 GEMM of a few rows sums in another order than its one-row GEMV, so a one-row
+pass had to be padded to a GEMM's rows, at about three times the GEMV's cost; oneDNN's packed
+product of 2 rows (a one-row pass is padded, see `_packed_plan`) costs what MKL's GEMV costs
+one row and sums 2 to 128 rows in one order (in bfloat16, at half of BLAS's cost), and a verify
+pass of 17 rows costs it a third of MKL's GEMM. The probes decide, as for BLAS: a shape whose
+packed product is not invariant in any plan runs BLAS's plan.
 """
 
 from __future__ import annotations
@@ -54,6 +62,10 @@ SLICE_COUNTS = (2, 4, 8)
 # about as much as 4-5 more rows on this project's CPU), and the pass sizes weighed: 1 to 17
 # rows, the one-row pass (every pass of plain generation and of drafting) counted 16 times.
 PRODUCT_COST_ROWS = 4
+# oneDNN's packed product costs about the same for 1 to 4 rows: its fixed cost is about 8 rows.
+PACKED_PRODUCT_COST_ROWS = 8
+PACKED_DTYPES = frozenset({torch.float32, torch.bfloat16})
+PACKED_MIN_ROWS = 2  # oneDNN's one-row kernel is never used (see `_packed_plan`)
 COST_PASSES = (*[1] * 16, *range(2, 18))
 
 
@@ -83,18 +95,21 @@ def native_unsupported(config) -> str | None:
 class Plan:
     """How a projection computes a pass of up to INVARIANT_ROWS rows: `slices` products over
     K-slices, summed in float32 at least (1: one product), each of min_rows to max_rows rows (a
-    shorter pass is padded with zero rows, a longer one split). Plan(max_rows=1): row by row."""
+    shorter pass is padded with zero rows, a longer one split), by BLAS or, `packed`, by oneDNN
+    over the packed weight. Plan(max_rows=1): row by row."""
 
     slices: int = 1
     min_rows: int = 1
     max_rows: int = INVARIANT_ROWS
+    packed: bool = False
 
     def cost(self) -> int:
-        """What the COST_PASSES cost, in rows (see PRODUCT_COST_ROWS)."""
+        """What the COST_PASSES cost, in rows of the plan's kernel (see PRODUCT_COST_ROWS)."""
+        fixed = PACKED_PRODUCT_COST_ROWS if self.packed else PRODUCT_COST_ROWS
         total = 0
         for rows in COST_PASSES:
             parts = [min(self.max_rows, rows - start) for start in range(0, rows, self.max_rows)]
-            total += sum(max(part, self.min_rows) + self.slices * PRODUCT_COST_ROWS for part in parts)
+            total += sum(max(part, self.min_rows) + self.slices * fixed for part in parts)
         return total
 
 
@@ -110,10 +125,16 @@ class Projection:
         self.bias = bias
         self.plan = plan
         self.pieces: list[tuple[slice, torch.Tensor]] | None = None
+        self.packed: torch.Tensor | None = None
         if plan.slices > 1:
             step = weight.shape[1] // plan.slices
             parts = [slice(i, i + step) for i in range(0, weight.shape[1], step)]
-            self.pieces = [(part, weight[:, part].contiguous()) for part in parts]
+            self.pieces = [
+                (part, _pack(weight[:, part]) if plan.packed else weight[:, part].contiguous())
+                for part in parts
+            ]
+        elif plan.packed:
+            self.packed = _pack(weight)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows, plan = x.shape[0], self.plan
@@ -124,23 +145,48 @@ class Projection:
         return torch.cat([self(part) for part in x.split(plan.max_rows)])
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
+        linear = _packed_linear if self.plan.packed else F.linear
         if self.pieces is None:
-            return F.linear(x, self.weight, self.bias)
+            return linear(x, self.weight if self.packed is None else self.packed, self.bias)
         wide = torch.promote_types(x.dtype, torch.float32)
-        total = sum(F.linear(x[:, part], piece).to(wide) for part, piece in self.pieces)
+        total = sum(linear(x[:, part], piece).to(wide) for part, piece in self.pieces)
         out = total.to(x.dtype)
         return out if self.bias is None else out + self.bias
 
 
+def _pack(weight: torch.Tensor) -> torch.Tensor | None:
+    """oneDNN's packed layout of a weight [N, K], for `_packed_linear`; None where this torch,
+    device or dtype has none."""
+    if (
+        weight.device.type != "cpu"
+        or weight.dtype not in PACKED_DTYPES
+        or not torch.backends.mkldnn.is_available()
+    ):
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight)
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, K] -> x W^T + b by oneDNN over the packed weight (see `_pack`)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
 def invariance_plan(weight: torch.Tensor, bias: torch.Tensor | None) -> Plan:
     """A plan that gives every row of `_order_probe` the same bits in passes of up to
-    INVARIANT_ROWS rows as alone: one product (fewest slices first) where the kernels allow it,
-    else the cheapest (`Plan.cost`) of the bands of row counts over which they agree, else row
-    by row. The kernels' order of summation follows the shapes, not the values, so the probe
-    stands in for the weight (and zeros for the bias)."""
+    INVARIANT_ROWS rows as alone: oneDNN's packed product where it can (`_packed_plan`), else by
+    BLAS one product (fewest slices first) where the kernels allow it, else the cheapest
+    (`Plan.cost`) of the bands of row counts over which they agree, else row by row. The
+    kernels' order of summation follows the shapes, not the values, so the probe stands in for
+    the weight (and zeros for the bias)."""
     probe_weight, probe = _order_probe(weight)
     probe_bias = None if bias is None else torch.zeros_like(bias)
     slice_counts = [slices for slices in (1, *SLICE_COUNTS) if weight.shape[1] % slices == 0]
+    packed = _packed_plan(probe_weight, probe_bias, probe, slice_counts)
+    if packed is not None:
+        return packed
     for slices in slice_counts:
         if _rows_match(Projection(probe_weight, probe_bias, Plan(slices)), probe):
             return Plan(slices)
@@ -154,6 +200,34 @@ def invariance_plan(weight: torch.Tensor, bias: torch.Tensor | None) -> Plan:
                 best = plan
                 break
     return best
+
+
+def _packed_plan(
+    probe_weight: torch.Tensor, probe_bias: torch.Tensor | None, probe: torch.Tensor, slice_counts: list[int]
+) -> Plan | None:
+    """The cheapest packed plan (one product or a band, of any slice count) that passes the
+    probe; None where oneDNN cannot pack this weight or only row by row would pass. Unlike
+    BLAS's, a packed product of a few rows costs what one row does, so one row is always padded
+    to two: oneDNN's one-row kernel rounds some bfloat16 sums otherwise than its many-row kernel
+    (about one output in 10^5 on random inputs: no change of order, which the probe would
+    show), and a padded row is cheaper than slices."""
+    try:
+        if _pack(probe_weight) is None:
+            return None
+        best: Plan | None = None
+        for slices in slice_counts:
+            product = Projection(probe_weight, probe_bias, Plan(slices, packed=True)).product
+            bands = [(max(low, PACKED_MIN_ROWS), high) for low, high in _bands(product, probe)]
+            plans = [Plan(slices, low, high, packed=True) for low, high in bands if low <= high]
+            for plan in sorted(plans, key=Plan.cost):
+                if best is not None and plan.cost() >= best.cost():
+                    break
+                if _rows_match(Projection(probe_weight, probe_bias, plan), probe):
+                    best = plan
+                    break
+        return best
+    except RuntimeError:  # a oneDNN build that packs but cannot run this dtype
+        return None
 
 
 def _bands(product, probe: torch.Tensor) -> list[tuple[int, int]]:

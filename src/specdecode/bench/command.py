@@ -133,7 +133,7 @@ def run_bench(
     target, draft, eagle3 = load_models(args, target_options, draft_options)
     tokenize = target.tokenize
     if chat is not None:  # rendered and tokenized as generate --chat and the server do
-        tasks = as_chats(tasks, lambda prompt: chat.text(target.tokenizer, prompt, target.name))
+        tasks = as_chats(tasks, lambda turns: chat.text(target.tokenizer, turns, target.name))
         tokenize = functools.partial(encode_rendered, target.tokenizer)
     names = (
         [name.strip().replace("+", ",") for name in args.systems.split(",")]
@@ -147,17 +147,25 @@ def run_bench(
     names += static_grid(names, *grid_values(args.static_grid), draft_config)
     systems = build_systems(names, target, draft, draft_config, ngram, eagle3)
     for task in tasks:
-        for prompt in task.prompts:
-            check_room(tokenize(prompt), chosen["n_predict"], target.n_ctx)
+        for index in range(len(task.prompts)):
+            turns = task.turns(index)  # a session's answers are not known yet: n_predict each
+            check_room(tokenize(task.conversation(turns)), chosen["n_predict"] * len(turns), target.n_ctx)
     sweep_systems = []
     if chosen["sweep"] and draft is not None and tasks[0].name in ("completion", "custom"):
         sweep_systems = [systems[0], *draft_max_systems(chosen["sweep"], target, draft, draft_config)]
     machine = Machine()
-    measurements, sweep = _measure(tasks, systems, sweep_systems, tokenize, chosen, console)
+    decode = functools.partial(answer_text, target)
+    measurements, sweep = _measure(tasks, systems, sweep_systems, tokenize, decode, chosen, console)
     rows = summarize(measurements)
     results = {"settings": chosen, "machine": _machine(machine, target, draft, eagle3)}
     results |= {"systems": [s.name for s in systems], "date": machine.date}
-    results |= {"tasks": {t.name: list(t.prompts) for t in tasks}, "rows": rows, "draft_max_sweep": sweep}
+    results["tasks"] = {
+        t.name: [
+            t.prompt_text(i) if len(t.turns(i)) == 1 else list(t.turns(i)) for i in range(len(t.prompts))
+        ]
+        for t in tasks
+    }
+    results |= {"rows": rows, "draft_max_sweep": sweep}
     results["policies"] = {
         system.name: policy_summary(system.policy_models)
         for system in systems
@@ -182,24 +190,32 @@ def run_bench(
     console.print("wrote " + ", ".join(str(path) for path in written))
 
 
+def answer_text(target: HFBackend, tokens: list[int]) -> str:
+    """An answer as a session's next turn reads it: up to its first end-of-generation token
+    (the bench generates past it, so that every system does the same work)."""
+    end = next((i for i, token in enumerate(tokens) if token in target.vocab.eog_ids), len(tokens))
+    return target.detokenize(tokens[:end])
+
+
 def _measure(
     tasks: list[Task],
     systems: list[System],
     sweep_systems: list[System],
     tokenize: Callable[[str], list[int]],
+    decode: Callable[[list[int]], str],
     chosen: dict,
     console: Console,
 ) -> tuple[list[Measurement], list[dict]]:
     """The main suite, then the draft-max sweep on the first task's prompts, with one progress
     display (see `_progress`)."""
     per_prompt = len(rounds(systems, chosen["runs"], chosen["warmup"])) * len(systems)
-    total = per_prompt * sum(len(t.prompts) for t in tasks)
+    total = per_prompt * sum(len(t.turns(i)) for t in tasks for i in range(len(t.prompts)))
     if sweep_systems:
         sweep_rounds = len(rounds(sweep_systems, chosen["runs"], chosen["warmup"]))
         total += sweep_rounds * len(sweep_systems) * len(tasks[0].prompts)
     with _progress(console, total) as advance:
         measured = run_suite(
-            tasks, systems, tokenize, chosen["n_predict"], chosen["runs"], chosen["warmup"], advance
+            tasks, systems, tokenize, chosen["n_predict"], chosen["runs"], chosen["warmup"], advance, decode
         )
         sweep_measured = (
             run_suite(

@@ -15,6 +15,10 @@ from specdecode.chat import add_chat_args
 from specdecode.config import BACKENDS, DTYPE_NAMES, DraftModelConfig
 
 TASK_NAMES = ("completion", "editing", "extraction", "free", "free-t1")
+# Run only when asked (--tasks): sessions of several turns, and user messages for --chat.
+AGENT_TASKS = ("agent-edit", "agent-records")
+CHAT_TASKS = ("chat-edit", "chat-complete", "chat-summarise", "chat-qa", "chat-free")
+ALL_TASKS = TASK_NAMES + AGENT_TASKS + CHAT_TASKS
 SERVE_SYSTEMS = (
     "threads,batched,batched:draft,batched:draft@adaptive,batched:ngram-mod,batched:ngram-mod@adaptive"
 )
@@ -42,7 +46,11 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     )
     group = parser.add_argument_group("benchmark")
     group.add_argument("--quick", action="store_true", help="1 prompt per task, 32 tokens, 1 run")
-    group.add_argument("--tasks", default=",".join(TASK_NAMES), help="comma-separated tasks")
+    group.add_argument(
+        "--tasks",
+        default=",".join(TASK_NAMES),
+        help=f"comma-separated tasks, of: {', '.join(ALL_TASKS)} (default: {', '.join(TASK_NAMES)})",
+    )
     group.add_argument(
         "--systems",
         help="comma-separated systems, a chain's strategies joined by + (ngram-simple+draft), "
@@ -86,8 +94,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     )
     group.add_argument(
         "--sweep",
-        help="comma-separated --spec-draft-n-max values for the sweep (quick 2,8; full 1,2,4,8,16; "
-        "0: none)",
+        help="comma-separated --spec-draft-n-max values for the sweep (quick 2,8; full 1,2,4,8,16; 0: none)",
     )
     group.add_argument(
         "--static-grid",
@@ -135,7 +142,25 @@ def add_bench_draft_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--calls", type=int, default=500, help="timed draft calls per strategy")
     parser.add_argument("--vocab", type=int, default=4096, help="token ids are drawn from [0, vocab)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic history")
+    parser.add_argument(
+        "--suffix-store",
+        type=_token_counts,
+        default=[100_000, 1_000_000],
+        metavar="N,...",
+        help="suffix: also time drafts against process-wide stores of these many tokens (0: none)",
+    )
     parser.set_defaults(handler=run_bench_draft)
+
+
+def _token_counts(text: str) -> list[int]:
+    """A comma-separated list of token counts; 0 alone: none."""
+    try:
+        counts = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of token counts: {text!r}") from None
+    if any(count < 0 for count in counts):
+        raise argparse.ArgumentTypeError("token counts must be >= 0")
+    return [count for count in counts if count > 0]
 
 
 def run_bench_draft(args: argparse.Namespace) -> None:

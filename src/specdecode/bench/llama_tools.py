@@ -27,23 +27,51 @@ The table gives tokens/s summed over the prompts (tokens / seconds) with the med
 each side's speculative speed-up over its own plain loop, whether our speculative tokens equal
 our plain tokens, and whether llama.cpp's text equals ours (information: its kernels run the
 same passes, so they usually agree, but a verify pass's rows may round differently).
+
+Real chat models, one target and draft GGUF file each (e.g. Qwen2.5-Coder 1.5B and 0.5B):
+
+    python -m specdecode.bench.llama_tools --target T.gguf --draft D.gguf [-n 64] [--rounds 2]
+
+runs the chat tasks (`bench.tasks`), each prompt rendered through the target's chat template,
+llama.cpp's programs given the same rendered text (`--no-escape`, and without the BOS text when
+the model adds BOS itself, so that both sides read the same tokens: llama-completion's
+`--verbose-prompt` list is checked against ours), each stopping at end of generation:
+llama-completion (plain), llama-speculative-simple drafting with the draft at n_max/p_min
+3/0 (its defaults), 8/0.5 and 16/0.75, and llama-lookup; ours plain, the draft under the
+adaptive policy (the command line's) and the n-gram chain ngram-mod,ngram-map-k4v (classic).
+Every system runs once per prompt and round,
+in an order rotated each round. For llama.cpp's programs the CPU time is the child process's
+(getrusage), its model loading included, and wall-clock time the whole process's; their
+generation-only rate is from their printed timings. Ours run in this process with the models
+loaded once: CPU and wall-clock time of the generation call (prompt included), and the
+generation-only rate from its stats.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import re
+import resource
 import statistics
 import subprocess
+import sys
 import tempfile
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from specdecode import DraftModelConfig, GenerationConfig, Pipeline, SamplingParams
 from specdecode.backends.hf import LoadOptions
 from specdecode.backends.llama_cpp import LlamaCppBackend
+from specdecode.bench.flags import CHAT_TASKS
+from specdecode.bench.machine import Machine, machine_line
+from specdecode.bench.systems import build_systems
 from specdecode.bench.tasks import build_tasks
-from specdecode.errors import SpecdecodeError
+from specdecode.chat import ChatPrompt, encode_rendered
+from specdecode.errors import SpecdecodeError, read_text_file
+from specdecode.strategies import NgramSettings
 
 DEFAULT_TOOLS = Path("build/llama-tools/cmake/bin")
 DRAFT = DraftModelConfig()  # n_max 16, p_min 0.75: passed to llama.cpp too
@@ -95,6 +123,7 @@ SYSTEMS = (
     System("ngram-cache", ("ngram-cache",), "llama-lookup", ("--spec-draft-n-max", str(LOOKUP_DRAFT))),
 )
 COMPLETION = "llama-completion"
+TOOL_TRIES = 10
 
 
 @dataclass
@@ -135,22 +164,50 @@ class Results:
         return statistics.median(t.rate for t in self.rounds[(system, side)])
 
 
+@dataclass
+class ToolRun:
+    """One run of one of llama.cpp's programs: its output, and the wall-clock and CPU seconds of
+    the whole process (loading included)."""
+
+    output: str
+    seconds: float
+    cpu_seconds: float
+
+
 def run_tool(tools: Path, program: str, arguments: list[str], wanted: re.Pattern) -> tuple[str, re.Match]:
     """Run one of llama.cpp's programs: its stdout and stderr together, and the first match of
-    `wanted` in them. llama.cpp logs from a thread of its own and can exit before its last
-    lines are written (its log.cpp says so), so a run without them is repeated, twice at most."""
+    `wanted` in them."""
+    run, found = timed_tool(tools, program, arguments, wanted)
+    return run.output, found
+
+
+def timed_tool(
+    tools: Path, program: str, arguments: list[str], wanted: re.Pattern
+) -> tuple[ToolRun, re.Match]:
+    """As `run_tool`, with the process's times. llama.cpp logs from a thread of its own and can
+    exit before its last lines are written (its log.cpp says so; on a busy machine a short run
+    of a tiny model lost them 4 times in 10), so a run without them is repeated, TOOL_TRIES
+    times at most."""
     path = tools / program
     if not path.exists():
         raise SpecdecodeError(f"{path} is missing: build llama.cpp's programs with `make llama-tools`")
-    for _ in range(3):
+    for _ in range(TOOL_TRIES):
+        before, start = _children_cpu(), time.perf_counter()
         done = subprocess.run([str(path), *arguments], capture_output=True, text=True, errors="replace")
+        seconds, cpu_seconds = time.perf_counter() - start, _children_cpu() - before
         if done.returncode != 0:
             raise SpecdecodeError(f"{program} failed ({done.returncode}): {done.stderr[-800:]}")
         output = done.stdout + "\n" + done.stderr
         found = wanted.search(output)
         if found is not None:
-            return output, found
+            return ToolRun(output, seconds, cpu_seconds), found
     raise SpecdecodeError(f"{program} printed no line matching {wanted.pattern!r}: {output[-800:]}")
+
+
+def _children_cpu() -> float:
+    """User and system CPU seconds of this process's finished children."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def generated_text(stdout: str, prompt: str) -> str:
@@ -228,6 +285,241 @@ def measure_pair(
     return results, target.invariant
 
 
+CHAT_DRAFTING = ((3, 0.0), (8, 0.5), (16, 0.75))  # llama-speculative-simple's n_max / p_min
+OURS_CHAT = ("plain", "draft@adaptive", "ngram-mod,ngram-map-k4v")  # adaptive: the command line's policy
+PLAIN_CHAT = ("plain", COMPLETION)  # each side's baseline
+CHAT_CONTEXT = 4096  # both sides' context: the prompts and -n fit, and no program sizes a 32k cache
+PROMPT_LENGTH = re.compile(r"number of tokens in prompt = (\d+)")
+COLOUR = re.compile(r"\x1b\[\d+m")
+PROMPT_TOKEN = re.compile(r"(\d+) -> '")
+
+
+def chat_tool_systems() -> tuple[System, ...]:
+    """llama.cpp's programs on chat prompts: plain, the draft at each CHAT_DRAFTING setting, lookup."""
+    drafting = tuple(
+        System(
+            f"llama-speculative-simple {n_max}/{p_min:g}",
+            ("draft",),
+            SPEC_SIMPLE,
+            ("--spec-type", "draft-simple", "-md", "{draft}", "-td", "1", *draft_flags(n_max, p_min)),
+        )
+        for n_max, p_min in CHAT_DRAFTING
+    )
+    completion = System(COMPLETION, (), COMPLETION, ("-no-cnv", "--no-warmup", "--verbose-prompt"))
+    lookup = System(
+        "llama-lookup", ("ngram-cache",), "llama-lookup", ("--spec-draft-n-max", str(LOOKUP_DRAFT))
+    )
+    return (completion, *drafting, lookup)
+
+
+def draft_flags(n_max: int, p_min: float) -> tuple[str, ...]:
+    return ("--spec-draft-n-max", str(n_max), "--spec-draft-p-min", str(p_min))
+
+
+def tool_arguments(system: System, target: Path, draft: Path, prompt_file: Path, n_predict: int) -> list[str]:
+    """The command line of one of llama.cpp's programs: greedy, one thread, the prompt's text as
+    written (no escape processing), then the system's own flags."""
+    common = [
+        "-m",
+        str(target),
+        "-f",
+        str(prompt_file),
+        "-n",
+        str(n_predict),
+        "-t",
+        "1",
+        "-c",
+        str(CHAT_CONTEXT),
+    ]
+    common += ["--temp", "0", "--seed", "1", "--no-escape"]
+    return common + [a.replace("{draft}", str(draft)) for a in system.arguments]
+
+
+def tool_prompt(text: str, bos: str | None, adds_bos: bool) -> str:
+    """The rendered prompt as llama.cpp's programs must get it: they tokenize it with the
+    model's special tokens and add BOS where the model asks for one, so a template's own BOS
+    text is left out there (else the prompt would start with two)."""
+    return text[len(bos) :] if adds_bos and bos and text.startswith(bos) else text
+
+
+def prompt_tokens(output: str) -> list[int]:
+    """The prompt's ids from llama-completion's --verbose-prompt list."""
+    length = PROMPT_LENGTH.search(output)
+    if length is None:
+        raise SpecdecodeError("llama-completion printed no prompt token list (--verbose-prompt)")
+    return [int(m[1]) for m in PROMPT_TOKEN.finditer(output, length.end())][: int(length[1])]
+
+
+def tool_figures(system: System, output: str) -> tuple[int, float, int, int]:
+    """Generated tokens, generation-only seconds (llama.cpp's own timings), drafted, accepted."""
+    if system.program == COMPLETION:
+        evaluated, sampling = EVAL.search(output), SAMPLING.search(output)
+        if evaluated is None:
+            raise SpecdecodeError(f"{COMPLETION} printed no eval timing")
+        seconds = (float(evaluated[1]) + (float(sampling[1]) if sampling else 0.0)) / 1e3
+        return int(evaluated[2]), seconds, 0, 0
+    decoded, drafted, accepted = DECODED.search(output), DRAFTED.search(output), ACCEPTED.search(output)
+    if decoded is None:
+        raise SpecdecodeError(f"{system.program} printed no `decoded N tokens` line")
+    return (
+        int(decoded[1]),
+        float(decoded[2]),
+        int(drafted[1]) if drafted else 0,
+        int(accepted[1]) if accepted else 0,
+    )
+
+
+@dataclass
+class ChatTally:
+    """One system's sums over the prompts of a round: tokens, wall-clock, CPU and generation-only
+    seconds, drafted and accepted tokens."""
+
+    tokens: int = 0
+    seconds: float = 0.0
+    cpu_seconds: float = 0.0
+    generation_seconds: float = 0.0
+    drafted: int = 0
+    accepted: int = 0
+
+
+def measure_chat(
+    target_path: Path,
+    draft_path: Path,
+    prompts: list[str],
+    n_predict: int,
+    rounds: int,
+    tools: Path,
+    chat: ChatPrompt | None = None,
+) -> tuple[dict[str, list[ChatTally]], dict[str, list[bool]]]:
+    """Every system, ours and llama.cpp's, once per prompt and round (rotated): per system a
+    tally per round, and per system whether its text agrees with our plain answer. chat: the
+    template (and system message) to render with, in place of the target's own."""
+    options = LoadOptions(backend="llama.cpp", threads=1, n_ctx=CHAT_CONTEXT)
+    target = LlamaCppBackend.load(target_path, options)
+    draft = LlamaCppBackend.load(draft_path, options)
+    tokenizer = target.tokenizer
+    texts = [(chat or ChatPrompt()).text(tokenizer, prompt, target.name) for prompt in prompts]
+    ours = {s.name: s for s in build_systems(OURS_CHAT, target, draft, DRAFT, NgramSettings())}
+    tools_by_name = {s.name: s for s in chat_tool_systems()}
+    names = [*ours, *tools_by_name]
+    tallies: dict[str, list[ChatTally]] = {name: [ChatTally() for _ in range(rounds)] for name in names}
+    agree: dict[str, list[bool]] = {}
+    for system in ours.values():  # uncounted: the first call of a process pays one-time costs
+        system.make_pipeline().generate(
+            encode_rendered(tokenizer, texts[0]), SamplingParams(temperature=0), GenerationConfig(n_predict)
+        )
+    with tempfile.TemporaryDirectory() as scratch:
+        for round_ in range(rounds):
+            for index, text in enumerate(texts):
+                ids = encode_rendered(tokenizer, text)
+                prompt_file = Path(scratch) / f"prompt-{index}.txt"
+                tool_text = tool_prompt(text, tokenizer.bos_token, target.vocab.add_bos)
+                prompt_file.write_text(tool_text + "\n")  # the programs drop a last newline
+                shift = (round_ * len(texts) + index) % len(names)
+                answers: dict[str, str] = {}
+                for name in names[shift:] + names[:shift]:
+                    print(
+                        f"round {round_ + 1}/{rounds}, prompt {index + 1}/{len(texts)}: {name}",
+                        file=sys.stderr,
+                    )
+                    tally = tallies[name][round_]
+                    if name in ours:
+                        pipeline = ours[name].make_pipeline()
+                        for backend in (target, draft):
+                            backend.truncate(0)
+                        wall, cpu = time.perf_counter(), time.process_time()
+                        run = pipeline.generate(
+                            ids, SamplingParams(temperature=0), GenerationConfig(n_predict)
+                        )
+                        tally.seconds += time.perf_counter() - wall
+                        tally.cpu_seconds += time.process_time() - cpu
+                        stats = run.stats
+                        tally.tokens += stats.n_generated
+                        tally.generation_seconds += stats.t_generation
+                        tally.drafted += stats.totals.n_drafted
+                        tally.accepted += stats.totals.n_accepted
+                        answers[name] = target.detokenize(run.tokens)
+                        continue
+                    system = tools_by_name[name]
+                    wanted = EVAL if system.program == COMPLETION else DECODED
+                    arguments = tool_arguments(system, target_path, draft_path, prompt_file, n_predict)
+                    run, _ = timed_tool(tools, system.program, arguments, wanted)
+                    if system.program == COMPLETION and prompt_tokens(run.output) != ids:
+                        raise SpecdecodeError(
+                            f"llama-completion read other prompt tokens than ours on prompt {index + 1}: "
+                            f"{prompt_tokens(run.output)[:16]}... against {ids[:16]}..."
+                        )
+                    tokens, generation, drafted, accepted = tool_figures(system, run.output)
+                    tally.tokens += tokens
+                    tally.seconds += run.seconds
+                    tally.cpu_seconds += run.cpu_seconds
+                    tally.generation_seconds += generation
+                    tally.drafted += drafted
+                    tally.accepted += accepted
+                    answers[name] = COLOUR.sub("", run.output)  # drafted tokens are printed coloured
+                reference = answers["plain"].strip()[:ANSWER_CHARS]
+                for name in names:
+                    same = (
+                        reference in answers[name]
+                        if name not in ours
+                        else answers[name].strip().startswith(reference)
+                    )
+                    agree.setdefault(name, []).append(same)
+    return tallies, agree
+
+
+ANSWER_CHARS = 120  # the start of our plain answer another system's text must contain
+
+
+def chat_rows(tallies: dict[str, list[ChatTally]], agree: dict[str, list[bool]]) -> list[dict]:
+    """Per system: medians over rounds of its rates, its totals over all rounds, and its
+    generation-only speed-up over its own side's plain system (ours, llama-completion)."""
+    rows = []
+    for name, rounds_ in tallies.items():
+        median = functools.partial(_median_rate, rounds_)
+        rows.append(
+            {
+                "system": name,
+                "side": "ours" if name in OURS_CHAT else "llama.cpp",
+                "tokens": sum(t.tokens for t in rounds_),
+                "tokens_per_second": median(lambda t: t.tokens / t.seconds if t.seconds else 0.0),
+                "tokens_per_cpu_second": median(lambda t: t.tokens / t.cpu_seconds if t.cpu_seconds else 0.0),
+                "generation_tokens_per_second": median(
+                    lambda t: t.tokens / t.generation_seconds if t.generation_seconds else 0.0
+                ),
+                "accepted": sum(t.accepted for t in rounds_),
+                "drafted": sum(t.drafted for t in rounds_),
+                "same_as_plain": sum(agree[name]),
+                "prompts": len(agree[name]),
+            }
+        )
+    plain = {row["side"]: row["generation_tokens_per_second"] for row in rows if row["system"] in PLAIN_CHAT}
+    for row in rows:
+        baseline = plain.get(row["side"])
+        row["generation_speedup"] = row["generation_tokens_per_second"] / baseline if baseline else None
+    return rows
+
+
+def _median_rate(tallies: list[ChatTally], rate: Callable[[ChatTally], float]) -> float:
+    return statistics.median(rate(t) for t in tallies)
+
+
+def print_chat_table(rows: list[dict]) -> None:
+    print(
+        "| system | side | tok/s (wall, end to end) | tok/CPU-s | tok/s (generation only) "
+        "| × its plain (generation) | accepted/drafted | starts as our plain |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        accepted = f"{row['accepted']}/{row['drafted']}" if row["drafted"] else "-"
+        speedup = f"{row['generation_speedup']:.2f}x" if row["generation_speedup"] else "-"
+        print(
+            f"| {row['system']} | {row['side']} | {row['tokens_per_second']:.1f} | "
+            f"{row['tokens_per_cpu_second']:.1f} | {row['generation_tokens_per_second']:.1f} | {speedup} | "
+            f"{accepted} | {row['same_as_plain']}/{row['prompts']} |"
+        )
+
+
 def print_table(label: str, results: Results, invariant: bool, systems: tuple[System, ...]) -> None:
     plain_ours, plain_theirs = results.rate("plain", "ours"), results.rate("plain", "llama.cpp")
     print(f"\n{label}: target rows invariant (probe): {invariant}")
@@ -262,21 +554,55 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "folders", type=Path, nargs="+", help="`specdecode export --engines llama.cpp` outputs"
+        "folders", type=Path, nargs="*", help="`specdecode export --engines llama.cpp` outputs"
+    )
+    parser.add_argument(
+        "--target", type=Path, help="a chat model's GGUF file (with --draft, in place of folders)"
+    )
+    parser.add_argument("--draft", type=Path, help="its draft model's GGUF file")
+    parser.add_argument(
+        "--chat-template-file", type=Path, help="--target: a Jinja chat template in place of the model's"
     )
     parser.add_argument("-n", "--n-predict", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=1, help="alternated rounds (medians)")
     parser.add_argument(
-        "--tasks", default="completion,editing,extraction", help="bench tasks, one prompt each"
+        "--tasks",
+        help="bench tasks (folders: completion,editing,extraction; --target: every chat task)",
     )
+    parser.add_argument("--prompts-per-task", type=int, default=1, help="prompts of each task")
     parser.add_argument("--systems", help="comma-separated subset of: " + ", ".join(s.name for s in SYSTEMS))
     parser.add_argument("--tools", type=Path, default=DEFAULT_TOOLS, help="folder of llama.cpp's programs")
     args = parser.parse_args()
+    if (args.target is None) != (args.draft is None) or (args.target is None) == (not args.folders):
+        parser.error("give export folders, or --target and --draft GGUF files")
+    if args.target is not None:
+        tasks = build_tasks((args.tasks or ",".join(CHAT_TASKS)).split(","), args.prompts_per_task)
+        prompts = [prompt for task in tasks for prompt in task.prompts]
+        print(
+            f"{len(prompts)} chat prompts ({', '.join(t.name for t in tasks)}), -n {args.n_predict}, greedy, "
+            f"1 thread, stop at end of generation, median of {args.rounds} round(s)"
+        )
+        template = (
+            read_text_file(args.chat_template_file, "chat template file") if args.chat_template_file else None
+        )
+        chat = ChatPrompt(template=template)
+        machine = Machine()
+        tallies, agree = measure_chat(
+            args.target, args.draft, prompts, args.n_predict, args.rounds, args.tools, chat
+        )
+        print(machine_line(machine.describe({"target": "gguf", "draft": "gguf"}, "cpu")))
+        print_chat_table(chat_rows(tallies, agree))
+        return
+    args.tasks = args.tasks or "completion,editing,extraction"
     systems = SYSTEMS
     if args.systems:
         names = args.systems.split(",")
         systems = tuple(s for s in SYSTEMS if s.name == "plain" or s.name in names)
-    prompts = [prompt for task in build_tasks(args.tasks.split(","), 1) for prompt in task.prompts]
+    prompts = [
+        prompt
+        for task in build_tasks(args.tasks.split(","), args.prompts_per_task)
+        for prompt in task.prompts
+    ]
     print(
         f"{len(prompts)} prompts ({args.tasks}), -n {args.n_predict}, greedy, 1 thread, "
         f"median of {args.rounds} round(s)"

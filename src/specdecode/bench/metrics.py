@@ -7,12 +7,16 @@ ratios of the wall-clock medians measured in the same interleaved run. Counters 
 tokens per pass, time split) are sums over all runs, so long and short drafts weigh by their
 tokens.
 
-The ideal speed-up is Leviathan et al.'s S(α, γ, c) = (1 − α^(γ+1)) / ((1 − α)(1 + γc)):
-γ is the mean number of drafted tokens per target pass, c the cost of drafting one token
-relative to one target pass (both measured), and α the per-token acceptance probability that,
-in the i.i.d. model, gives the measured tokens per pass with drafts of γ tokens. A measured
-speed-up below S is what the rest costs: verifying γ + 1 positions instead of one, sampling,
-rollback, and the loop itself.
+The ideal speed-up is Leviathan et al.'s S(α, γ, c) = (1 − α^(γ+1)) / ((1 − α)(1 + γc)),
+with the verify pass priced as measured: (1 − α^(γ+1)) / ((1 − α)(v + γc)). γ is the mean
+number of drafted tokens per target pass, c the cost of drafting one token relative to one
+plain step, v the cost of the system's verify pass (of γ + 1 rows on average) relative to one
+plain step, both measured on the same task, and α the per-token acceptance probability that,
+in the i.i.d. model, gives the measured tokens per pass with drafts of γ tokens. Leviathan's
+v = 1 holds where a pass of a few rows costs what one row does (a GPU); on a CPU a pass of 17
+rows can cost twice a row's, and an S that ignored it would promise long drafts a gain the
+machine cannot give (`ideal_speedup_flat` keeps v = 1, for comparison). A measured speed-up
+below S is what the rest costs: sampling, rollback, and the loop itself.
 """
 
 from __future__ import annotations
@@ -41,14 +45,25 @@ def solve_alpha(tokens_per_pass: float, gamma: float) -> float:
     return (low + high) / 2
 
 
-def ideal_speedup(alpha: float, gamma: float, cost_ratio: float) -> float:
-    """S(α, γ, c) = (1 − α^(γ+1)) / ((1 − α)(1 + γc))."""
+def ideal_speedup(alpha: float, gamma: float, cost_ratio: float, pass_ratio: float = 1.0) -> float:
+    """S = (1 − α^(γ+1)) / ((1 − α)(v + γc)), v = pass_ratio: a verify pass's cost over a
+    plain step's (Leviathan et al.'s S(α, γ, c) at v = 1)."""
     expected_tokens = gamma + 1 if alpha >= 1 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
-    return expected_tokens / (1 + gamma * cost_ratio)
+    return expected_tokens / (pass_ratio + gamma * cost_ratio)
 
 
-def _counters(runs: Sequence[Measurement]) -> dict:
-    """Drafting counters and times summed over our runs (empty for Hugging Face's)."""
+def step_seconds(runs: Sequence[Measurement]) -> float | None:
+    """Mean seconds of a target pass (verification included) over our runs: plain's is a
+    one-row step, a speculative system's its verify pass."""
+    stats = [m.stats for m in runs if m.stats is not None]
+    passes = sum(s.n_passes for s in stats)
+    return sum(s.t_verify for s in stats) / passes if passes else None
+
+
+def _counters(runs: Sequence[Measurement], plain_step: float | None = None) -> dict:
+    """Drafting counters and times summed over our runs (empty for Hugging Face's); plain_step:
+    plain generation's step on the task, against which passes and drafts are priced (without
+    it, this system's own mean pass)."""
     stats = [m.stats for m in runs if m.stats is not None]
     if not stats:
         return {}
@@ -70,7 +85,9 @@ def _counters(runs: Sequence[Measurement]) -> dict:
     t_generation = sum(s.t_generation for s in stats) or 1.0
     gamma = counts.n_drafted / passes if passes else 0.0
     tokens_per_pass = sum(s.n_step_tokens for s in stats) / passes if passes else 0.0
-    cost_ratio = (t_draft / counts.n_drafted) / (t_verify / passes) if counts.n_drafted and t_verify else 0.0
+    step = plain_step or (t_verify / passes if passes else 0.0)
+    cost_ratio = (t_draft / counts.n_drafted) / step if counts.n_drafted and step else 0.0
+    pass_ratio = (t_verify / passes) / step if passes and step else 1.0
     alpha = solve_alpha(tokens_per_pass, gamma)
     tree = counts.n_tree_drafts > 0  # S(α, γ, c) models a chain: no ideal for trees
     return {
@@ -83,7 +100,9 @@ def _counters(runs: Sequence[Measurement]) -> dict:
         "tree_drafts": counts.n_tree_drafts / counts.n_drafts if counts.n_drafts else 0.0,
         "alpha": None if tree else alpha,
         "cost_ratio": cost_ratio,
-        "ideal_speedup": None if tree else ideal_speedup(alpha, gamma, cost_ratio),
+        "pass_ratio": pass_ratio,
+        "ideal_speedup": None if tree else ideal_speedup(alpha, gamma, cost_ratio, pass_ratio),
+        "ideal_speedup_flat": None if tree else ideal_speedup(alpha, gamma, cost_ratio),
         "share_draft": t_draft / t_generation,
         "share_verify": t_verify / t_generation,
         "share_other": max(0.0, 1 - (t_draft + t_verify) / t_generation),
@@ -94,20 +113,21 @@ def summarize(measurements: Sequence[Measurement]) -> list[dict]:
     """One row per (task, system), in the order measured, with speed-ups against our plain
     generation and against Hugging Face's plain `generate` (when measured)."""
     groups: dict[tuple[str, str], list[Measurement]] = defaultdict(list)
-    reference: dict[tuple[str, int], list[int]] = {}
+    reference: dict[tuple[str, int, int], list[int]] = {}
     for m in measurements:
         groups[m.task, m.system].append(m)
         if m.system == "plain":
-            reference.setdefault((m.task, m.prompt), m.tokens)
+            reference.setdefault((m.task, m.prompt, m.turn), m.tokens)
+    plain_steps = {task: step_seconds(runs) for (task, system), runs in groups.items() if system == "plain"}
     medians = {key: statistics.median(m.tokens_per_second for m in runs) for key, runs in groups.items()}
     rows = []
     for (task, system), runs in groups.items():
         speeds = [m.tokens_per_second for m in runs]
         # Sampled tasks: Hugging Face's sampler draws other tokens from the same distribution.
         comparable = [
-            m for m in runs if (task, m.prompt) in reference and not (m.sampled and m.family == "hf")
+            m for m in runs if (task, m.prompt, m.turn) in reference and not (m.sampled and m.family == "hf")
         ]
-        exact = [m.tokens == reference[task, m.prompt] for m in comparable]
+        exact = [m.tokens == reference[task, m.prompt, m.turn] for m in comparable]
         row = {
             "task": task,
             "system": system,
@@ -122,7 +142,7 @@ def summarize(measurements: Sequence[Measurement]) -> list[dict]:
             "speedup_vs_plain": _ratio(medians, task, system, "plain"),
             "speedup_vs_hf_plain": _ratio(medians, task, system, "hf-plain"),
             "exact_match_rate": sum(exact) / len(exact) if exact else None,
-            **_counters(runs),
+            **_counters(runs, plain_steps.get(task)),
         }
         if row.get("ideal_speedup") and row["speedup_vs_plain"] is not None:
             row["fraction_of_ideal"] = row["speedup_vs_plain"] / row["ideal_speedup"]

@@ -6,7 +6,8 @@ Columns, for each system on a task:
   ×plain     speed-up over our plain generation;  ×HF: over Hugging Face's plain `generate`
   accept     accepted / drafted tokens;  tok/pass: tokens emitted per target pass
   nodes/pass draft tokens verified per target pass (a tree's nodes count each)
-  ideal S    S(α, γ, c) from the measured α, γ and c (see `metrics`; chains only);  of S: measured / ideal
+  ideal S    S(α, γ, c, v) from the measured α, γ, draft cost c and verify-pass cost v, both
+             relative to plain's step on the task (see `metrics`; chains only);  of S: measured / ideal
   d/v/o %    share of generation time spent drafting / verifying (target passes) / elsewhere
   exact      share of runs whose tokens equal our plain output (greedy, or sampled with the
              same seed; Hugging Face's sampler is not compared)

@@ -3,6 +3,12 @@
 For each prompt: `warmup` uncounted rounds of every system, then `runs` measured rounds. Each
 round runs every system once, in an order rotated by one per round, so no system is always
 first after a prompt change (or always last, when the machine is warmest).
+
+A session (a task with follow-up turns) runs whole in each system's place: its turns in order on
+one pipeline of that system (`System.session`), each turn's prompt the conversation so far with
+the system's own answers in it (each cut at its first end-of-generation token). Exact systems
+answer alike, so their prompts stay the same turn after turn; a system that is not exact is
+given its own answers, and its later turns' exactness says so.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ class Measurement:
     tokens: list[int]
     stats: GenerationStats | None
     sampled: bool = False  # the task samples (seeded) rather than decoding greedily
+    turn: int = 0  # a session's turn
 
     @property
     def tokens_per_second(self) -> float:
@@ -58,32 +65,45 @@ def run_suite(
     runs: int,
     warmup: int,
     advance: Callable[[str, Run], None] = lambda label, run: None,
+    decode: Callable[[list[int]], str] | None = None,
 ) -> list[Measurement]:
-    """Every system on every prompt of every task; `advance(label, run)` after each run (progress)."""
+    """Every system on every prompt (or session) of every task; `advance(label, run)` after each
+    run (progress); `decode`: an answer's text, for the next turn of a session."""
     measurements = []
     for task in tasks:
-        for index, prompt in enumerate(task.prompts):
-            ids, sampling = encode(prompt), task.sampling(index)
+        if task.follow_ups and decode is None:
+            raise SpecdecodeError(f"the {task.name} task runs sessions: it needs the answers' text")
+        for index in range(len(task.prompts)):
+            turns, sampling = task.turns(index), task.sampling(index)
             for measured, order in rounds(systems, runs, warmup):
                 for system in order:
-                    run = system.run(ids, n_predict, sampling)
-                    _check_length(run, n_predict, system.name, task.name, index)
-                    label = f"task {task.name} {index + 1}/{len(task.prompts)}, system {system.name}"
-                    advance(label if measured else f"{label} (warm-up)", run)
-                    if measured:
-                        measurements.append(
-                            Measurement(
-                                task.name,
-                                index,
-                                system.name,
-                                system.family,
-                                run.seconds,
-                                run.cpu_seconds,
-                                run.tokens,
-                                run.stats,
-                                not sampling.greedy,
+                    step = system.session()
+                    conversation: list[str] = []
+                    for turn, message in enumerate(turns):
+                        conversation.append(message)
+                        run = step(encode(task.conversation(conversation)), n_predict, sampling)
+                        if decode is not None and turn + 1 < len(turns):
+                            conversation.append(decode(run.tokens))
+                        _check_length(run, n_predict, system.name, task.name, index)
+                        label = f"task {task.name} {index + 1}/{len(task.prompts)}, system {system.name}"
+                        if len(turns) > 1:
+                            label += f", turn {turn + 1}/{len(turns)}"
+                        advance(label if measured else f"{label} (warm-up)", run)
+                        if measured:
+                            measurements.append(
+                                Measurement(
+                                    task.name,
+                                    index,
+                                    system.name,
+                                    system.family,
+                                    run.seconds,
+                                    run.cpu_seconds,
+                                    run.tokens,
+                                    run.stats,
+                                    not sampling.greedy,
+                                    turn,
+                                )
                             )
-                        )
     return measurements
 
 

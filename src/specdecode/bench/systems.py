@@ -34,7 +34,7 @@ from specdecode.strategies import PRIORITY, DraftModelConfig, NgramSettings
 from specdecode.strategies.eagle3_head import Eagle3Head
 
 GREEDY = SamplingParams(temperature=0)
-MODEL_FREE = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")
+MODEL_FREE = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache", "suffix")
 CHAINS = (("ngram-simple", "draft"), ("ngram-mod", "ngram-map-k4v", "draft"))
 EAGLE3_SYSTEMS = ("eagle3", "ngram-simple,eagle3")  # when an EAGLE-3 head is loaded
 # Trees: "draft-tree" is the draft strategy with --draft-n-parallel branches, "eagle3-tree" the
@@ -61,6 +61,11 @@ class System(Protocol):
 
     def run(self, prompt: list[int], n_predict: int, sampling: SamplingParams = GREEDY) -> Run: ...
 
+    def session(self) -> Callable[[list[int], int, SamplingParams], Run]:
+        """What runs a session's turns in order: as `run`, but what a system keeps between
+        requests (a pipeline's n-gram pools and caches, its KV cache) is kept between turns."""
+        ...
+
 
 class OursSystem:
     """Our pipeline, started cold on every run: a fresh pipeline (so the ngram-mod pool and the
@@ -78,14 +83,24 @@ class OursSystem:
         self.policy_models = policy_models  # the adaptive policy's, shared by every run
 
     def run(self, prompt: list[int], n_predict: int, sampling: SamplingParams = GREEDY) -> Run:
-        config = GenerationConfig(n_predict=n_predict, ignore_eos=True)
+        return self.session()(prompt, n_predict, sampling)
+
+    def session(self) -> Callable[[list[int], int, SamplingParams], Run]:
+        """A fresh pipeline over emptied KV caches, kept for every turn: a turn's prompt reuses
+        the cached prefix of the conversation, and the n-gram pools learn from every answer."""
         pipeline = self.make_pipeline()
         for backend in (pipeline.target, pipeline.draft):
             if backend is not None:
                 backend.truncate(0)
-        began = Stopwatch()
-        result = pipeline.generate(prompt, sampling, config)
-        return Run(result.tokens, *began.elapsed(), result.stats)
+
+        def turn(prompt: list[int], n_predict: int, sampling: SamplingParams = GREEDY) -> Run:
+            began = Stopwatch()
+            result = pipeline.generate(
+                prompt, sampling, GenerationConfig(n_predict=n_predict, ignore_eos=True)
+            )
+            return Run(result.tokens, *began.elapsed(), result.stats)
+
+        return turn
 
 
 class HFSystem:
@@ -128,6 +143,10 @@ class HFSystem:
             )
         tokens = out[0, len(prompt) :].tolist()
         return Run(tokens, *began.elapsed(), None)
+
+    def session(self) -> Callable[[list[int], int, SamplingParams], Run]:
+        """`generate` keeps nothing between calls: each turn reads its whole prompt."""
+        return self.run
 
 
 def system_names(has_draft: bool, include_hf: bool, has_eagle3: bool = False) -> list[str]:

@@ -11,6 +11,19 @@ Four kinds of work, because the strategies shine on different ones:
   a fixed seed per prompt, `match` verification, so every system's output is still plain
   generation's), where fewer drafted tokens are kept than under greedy decoding.
 
+Two agent-like tasks are sessions of several turns run in order on one pipeline, each turn's
+prompt the conversation so far, the model's own earlier answers included (an agent re-reading
+and re-emitting its output, where a cache that learns across requests pays):
+
+* agent-edit: a function and an edit instruction, then further edits of the previous answer;
+* agent-records: a record of a function's facts as JSON, re-emitted with one field changed
+  each turn.
+
+Five chat tasks are written as a user's messages, for instruction-tuned models through their
+chat template (`bench --chat`): chat-edit, chat-complete, chat-summarise (a long docstring of a
+held-out file to summarise), chat-qa (a question over such a document) and chat-free (explain
+a held-out module).
+
 Every prompt comes from the held-out split of the standard-library corpus (files the bundled
 models never trained on), by a fixed rule: files in path order, functions in source order, the
 first ones that fit the size limits. Nothing is chosen by how well a strategy does on it.
@@ -19,12 +32,14 @@ first ones that fit the size limits. Nothing is chosen by how well a strategy do
 from __future__ import annotations
 
 import ast
+import json
 import textwrap
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from specdecode.bench.flags import TASK_NAMES
+from specdecode.bench.flags import ALL_TASKS
+from specdecode.bench.flags import TASK_NAMES as TASK_NAMES
 from specdecode.errors import SpecdecodeError, read_text_file
 from specdecode.sampling import SamplingParams
 from specdecode.train.corpus import corpus_files, split_files, stdlib_root
@@ -38,6 +53,8 @@ EDIT_INSTRUCTIONS = (
     "Rename the parameter `{arg}` to `{arg}_value`.",
     "Add a comment above every statement that explains it.",
 )
+SESSION_TURNS = 3  # turns of an agent-like session
+DOCUMENT_CHARS = (300, 1500)  # a docstring long enough to summarise, short enough for a prompt
 
 
 @dataclass(frozen=True)
@@ -45,6 +62,20 @@ class Task:
     name: str
     prompts: tuple[str, ...]
     temperature: float = 0.0  # 0: greedy
+    # Sessions: per prompt, the user's later turns, each sent after the model's previous answer.
+    follow_ups: tuple[tuple[str, ...], ...] = ()
+    # The prompt text of a conversation (the user's turns and the answers, alternating): the
+    # turns one after the other, or a chat template's rendering (`as_chats`).
+    conversation: Callable[[Sequence[str]], str] = "".join
+
+    def prompt_text(self, prompt_index: int) -> str:
+        """The first turn's prompt, as the model reads it."""
+        return self.conversation([self.prompts[prompt_index]])
+
+    def turns(self, prompt_index: int) -> tuple[str, ...]:
+        """The user's turns of a prompt: the prompt alone, or a session's every turn."""
+        later = self.follow_ups[prompt_index] if self.follow_ups else ()
+        return (self.prompts[prompt_index], *later)
 
     def sampling(self, prompt_index: int) -> SamplingParams:
         """Greedy, or sampled with a seed fixed per prompt: every run of every system on one
@@ -99,11 +130,9 @@ def completion_prompt(function: Function, index: int) -> str | None:
 
 
 def editing_prompt(function: Function, index: int) -> str | None:
-    instruction = EDIT_INSTRUCTIONS[index % len(EDIT_INSTRUCTIONS)]
-    if "{arg}" in instruction:
-        if function.first_argument is None:
-            return None
-        instruction = instruction.format(arg=function.first_argument)
+    instruction = _instruction(function, index)
+    if instruction is None:
+        return None
     return f"# {instruction}\n\n# Before:\n{function.source}\n# After:\n"
 
 
@@ -113,11 +142,151 @@ def extraction_prompt(function: Function, index: int) -> str | None:
     return f'{function.source}\n\n# The docstring of {function.name}, quoted word for word:\nDOC = """'
 
 
+def fenced(source: str) -> str:
+    return f"```python\n{source}```"
+
+
+def chat_edit_prompt(function: Function, index: int) -> str | None:
+    instruction = _instruction(function, index)
+    if instruction is None:
+        return None
+    return f"{instruction} Reply with the whole function.\n\n{fenced(function.source)}"
+
+
+def chat_complete_prompt(function: Function, index: int) -> str | None:
+    if not function.docstring:
+        return None
+    return f"Write the body of this function; reply with the whole function.\n\n{fenced(function.header)}"
+
+
+def _instruction(function: Function, index: int) -> str | None:
+    """The index-th edit instruction (cycling), None where it needs an argument the function lacks."""
+    instruction = EDIT_INSTRUCTIONS[index % len(EDIT_INSTRUCTIONS)]
+    if "{arg}" not in instruction:
+        return instruction
+    return instruction.format(arg=function.first_argument) if function.first_argument else None
+
+
 PROMPT_MAKERS: dict[str, Callable[[Function, int], str | None]] = {
     "completion": completion_prompt,
     "editing": editing_prompt,
     "extraction": extraction_prompt,
+    "chat-edit": chat_edit_prompt,
+    "chat-complete": chat_complete_prompt,
 }
+
+
+def agent_edit_session(function: Function) -> tuple[str, ...] | None:
+    """A function and every edit instruction, one per turn, each on the previous answer: the
+    answer re-emits most of the function each time."""
+    if function.first_argument is None:
+        return None
+    instructions = [_instruction(function, i) for i in range(SESSION_TURNS)]
+    first = f"# {instructions[0]}\n\n# Before:\n{function.source}\n# After:\n"
+    later = (
+        f"\n\n# {instruction} Write the whole function again.\n# After:\n" for instruction in instructions[1:]
+    )
+    return (first, *later)
+
+
+def function_record(function: Function, path: Path) -> dict[str, object]:
+    """Facts read off a function's source: what a tool might hand an agent as JSON."""
+    return {
+        "module": path.stem,
+        "function": function.name,
+        "first_argument": function.first_argument,
+        "lines": function.source.count("\n"),
+        "documented": function.docstring is not None,
+        "summary": (function.docstring or "").split("\n")[0],
+        "reviewed": False,
+    }
+
+
+def agent_records_session(function: Function, path: Path) -> tuple[str, ...]:
+    """A record as JSON, then one changed field per turn: each answer repeats the record."""
+    record = function_record(function, path)
+    changes = [("reviewed", True), ("lines", record["lines"] + 1), ("function", f"{function.name}_v2")]
+    first = (
+        f"Record:\n{json.dumps(record, indent=2)}\n\n"
+        f"Write the record again as JSON with {changes[0][0]!r} set to {json.dumps(changes[0][1])}.\n"
+    )
+    later = (
+        f"\n\nWrite the last record again as JSON with {field!r} set to {json.dumps(value)}.\n"
+        for field, value in changes[1:SESSION_TURNS]
+    )
+    return (first, *later)
+
+
+SESSION_MAKERS: dict[str, Callable[[Function, Path], tuple[str, ...] | None]] = {
+    "agent-edit": lambda function, path: agent_edit_session(function),
+    "agent-records": agent_records_session,
+}
+
+
+def session_prompts(
+    files: Sequence[Path], make: Callable[[Function, Path], tuple[str, ...] | None], count: int, used: set
+) -> list[tuple[str, ...]]:
+    """Up to `count` sessions, at most one per file, functions not taken by another task (as
+    `function_prompts` picks them)."""
+    sessions: list[tuple[str, ...]] = []
+    for path in files:
+        for function in functions_of(path):
+            session = None if (path, function.name) in used else make(function, path)
+            if session is not None:
+                sessions.append(session)
+                used.add((path, function.name))
+                break
+        if len(sessions) == count:
+            break
+    return sessions
+
+
+def documents(files: Sequence[Path]) -> Iterator[tuple[Path, str]]:
+    """Per file, its first docstring (module, class or function, in `ast.walk` order) within
+    DOCUMENT_CHARS: the text a user asks to summarise or asks about."""
+    low, high = DOCUMENT_CHARS
+    for path in files:
+        try:
+            tree = ast.parse(read_text_file(path))
+        except SyntaxError:
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                text = ast.get_docstring(node)
+                if text and low <= len(text) <= high and "\t" not in text:
+                    yield path, text
+                    break
+
+
+def document_prompts(files: Sequence[Path], count: int) -> dict[str, list[str]]:
+    """chat-summarise takes the first `count` documents, chat-qa the next `count`."""
+    texts = [text for _, text in documents(files)]
+    return {
+        "chat-summarise": [f"Summarise this text in three sentences.\n\n{text}" for text in texts[:count]],
+        "chat-qa": [
+            f"{text}\n\nAccording to the text above, what does it describe, and what should a "
+            "caller watch out for?"
+            for text in texts[count : 2 * count]
+        ],
+    }
+
+
+def chat_free_prompts(files: Sequence[Path], count: int) -> list[str]:
+    """Questions about held-out modules, by the module's dotted name."""
+    return [
+        f"What is the Python module `{module_name(path)}` for? Give a short example of using it."
+        for path in files[:count]
+    ]
+
+
+def module_name(path: Path) -> str:
+    """The dotted name of a standard-library file (asyncio/threads.py -> asyncio.threads); a file
+    elsewhere goes by its stem."""
+    try:
+        parts = path.with_suffix("").relative_to(stdlib_root()).parts
+    except ValueError:
+        parts = (path.stem,)
+    return ".".join(part for part in parts if part != "__init__") or path.stem
 
 
 def function_prompts(
@@ -156,28 +325,38 @@ def free_prompts(files: Sequence[Path], count: int) -> list[str]:
 def build_tasks(names: Sequence[str], per_task: int, files: Sequence[Path] | None = None) -> list[Task]:
     """The prompt sets of the named tasks, `per_task` prompts each (fewer only if the corpus
     runs out), from the held-out files."""
-    unknown = [name for name in names if name not in TASK_NAMES]
+    unknown = [name for name in names if name not in ALL_TASKS]
     if unknown:
-        raise SpecdecodeError(f"unknown task {unknown[0]!r} (choose from {', '.join(TASK_NAMES)})")
+        raise SpecdecodeError(f"unknown task {unknown[0]!r} (choose from {', '.join(ALL_TASKS)})")
     if per_task < 1:
         raise SpecdecodeError(f"prompts per task must be >= 1, not {per_task}")
     files = sorted(files if files is not None else heldout_files(), key=str)
     built, used = {}, set()
-    for name in TASK_NAMES:  # all, in one order: a task's prompts do not depend on the others asked
-        prompts = (
-            free_prompts(files, per_task)
-            if name.startswith("free")
-            else function_prompts(files, PROMPT_MAKERS[name], per_task, used)
-        )
+    texts = document_prompts(files, per_task)
+    for name in ALL_TASKS:  # all, in one order: a task's prompts do not depend on the others asked
+        sessions = []
+        if name.startswith("free"):
+            prompts = free_prompts(files, per_task)
+        elif name in SESSION_MAKERS:
+            sessions = session_prompts(files, SESSION_MAKERS[name], per_task, used)
+            prompts = [session[0] for session in sessions]
+        elif name in texts:
+            prompts = texts[name]
+        elif name == "chat-free":
+            prompts = chat_free_prompts(files, per_task)
+        else:
+            prompts = function_prompts(files, PROMPT_MAKERS[name], per_task, used)
         if not prompts and name in names:
             raise SpecdecodeError(f"the held-out files give no prompt for the {name} task")
-        built[name] = Task(name, tuple(prompts), TEMPERATURES.get(name, 0.0))
+        follow_ups = tuple(session[1:] for session in sessions)
+        built[name] = Task(name, tuple(prompts), TEMPERATURES.get(name, 0.0), follow_ups)
     return [built[name] for name in names]
 
 
-def as_chats(tasks: Sequence[Task], render: Callable[[str], str]) -> list[Task]:
-    """The tasks with each prompt rendered as the user's message of a chat (`bench --chat`)."""
-    return [replace(task, prompts=tuple(render(prompt) for prompt in task.prompts)) for task in tasks]
+def as_chats(tasks: Sequence[Task], render: Callable[[Sequence[str]], str]) -> list[Task]:
+    """The tasks with each prompt the user's message of a chat (`bench --chat`), and a session's
+    later turns further messages after the assistant's answers: `render` the conversation."""
+    return [replace(task, conversation=render) for task in tasks]
 
 
 def custom_task(prompts: Sequence[str]) -> Task:

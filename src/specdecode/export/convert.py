@@ -22,7 +22,8 @@ import torch
 from safetensors.torch import save_file
 from transformers import GenerationConfig
 
-from specdecode.backends.gguf_files import is_gguf, load_gguf_model
+from specdecode.backends.gguf_files import load_gguf_model
+from specdecode.backends.load import is_gguf
 from specdecode.errors import SpecdecodeError
 from specdecode.export.flags import CONVERT_DTYPES
 

@@ -182,7 +182,9 @@ class Service:
         }
 
     async def prometheus(self) -> PlainTextResponse:
-        text = self.metrics.render(self.slots.size, self.slots.busy, self.slots.waiting)
+        text = self.metrics.render(
+            self.slots.size, self.slots.busy, self.slots.waiting, self.front.shared.suffix
+        )
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     # ------------------------------------------------------------------ requests -> jobs

@@ -11,8 +11,12 @@ import threading
 from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from specdecode.stats import GenerationStats
+
+if TYPE_CHECKING:
+    from specdecode.strategies.suffix import SuffixStore
 
 PREFIX = "specdecode"
 OUTCOMES = ("completed", "cancelled", "failed")
@@ -68,7 +72,8 @@ class Metrics:
         with self._lock:
             self.requests["failed"] += 1
 
-    def render(self, slots: int, busy: int, waiting: int) -> str:
+    def render(self, slots: int, busy: int, waiting: int, suffix: SuffixStore | None = None) -> str:
+        """suffix: the suffix strategy's process-wide store, whose size is reported."""
         with self._lock:
             lines = [
                 *_family(
@@ -111,6 +116,13 @@ class Metrics:
         lines += _family("slots", "gauge", "generation slots (--parallel)", "", {"": slots})
         lines += _family("requests_processing", "gauge", "slots generating now", "", {"": busy})
         lines += _family("requests_waiting", "gauge", "requests queued for a free slot", "", {"": waiting})
+        if suffix is not None:
+            for name, help_text, value in (
+                ("bytes", "memory held by the suffix strategy's store of earlier requests", suffix.nbytes),
+                ("tokens", "tokens in the suffix strategy's store", suffix.n_tokens),
+                ("requests", "requests in the suffix strategy's store", suffix.n_requests),
+            ):
+                lines += _family(f"suffix_cache_{name}", "gauge", help_text, "", {"": value})
         memory = resident_memory_bytes()
         if memory is not None:
             lines += [

@@ -25,16 +25,19 @@ from specdecode.strategies.ngram_cache import NgramCache, NgramCacheStrategy, lo
 from specdecode.strategies.ngram_map import NgramMapStrategy
 from specdecode.strategies.ngram_mod import NgramModConfig, NgramModPool, NgramModStrategy
 from specdecode.strategies.ngram_simple import NgramMapConfig, NgramSimpleStrategy
+from specdecode.strategies.suffix import SuffixStore, SuffixStrategy
 from specdecode.vocab import VocabTranslator
 
 if TYPE_CHECKING:
     from specdecode.constraints import Constraint
     from specdecode.strategies.eagle3_head import Eagle3Head
 
+
 class SharedState:
-    """What outlives a generation and is shared by all of them: the ngram-mod pool and the
-    ngram-cache files. Loading happens here, once, so a bad file fails before any work.
-    `lock` serialises the strategies that touch it, for generations running in parallel threads.
+    """What outlives a generation and is shared by all of them: the ngram-mod pool, the
+    ngram-cache files and the suffix store. Loading happens here, once, so a bad file fails
+    before any work. `lock` serialises the strategies that touch the first two, for generations
+    running in parallel threads (the suffix store has its own, for learning only).
     vocab_size: the target's; cache files naming ids past it are refused."""
 
     def __init__(self, settings: NgramSettings, names: list[str], vocab_size: int | None = None) -> None:
@@ -47,6 +50,8 @@ class SharedState:
         if uses_cache and settings.cache_dynamic:
             path = settings.cache_dynamic
             self.cache_dynamic = load(path, vocab_size) if path.exists() else {}  # absent: created at the end
+        uses_suffix = "suffix" in names
+        self.suffix = SuffixStore(settings.suffix, settings.suffix_file, vocab_size) if uses_suffix else None
 
 
 @dataclass(frozen=True)
@@ -153,6 +158,7 @@ FACTORIES: dict[str, Callable[[SpecSetup], Strategy]] = {
     "ngram-map-k4v": lambda setup: NgramMapStrategy(setup.ngram.map_k4v, key_only=False),
     "ngram-mod": _build_ngram_mod,
     "ngram-cache": _build_ngram_cache,
+    "suffix": lambda setup: SuffixStrategy(setup.ngram.suffix, _shared(setup).suffix),
     "draft": _build_draft_model,
     "eagle3": _build_eagle3,
     "forced": _build_forced,

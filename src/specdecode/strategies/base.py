@@ -66,6 +66,17 @@ class Draft:
             return replace(self, parents=None)
         return self
 
+    def first_branch(self) -> Draft:
+        """The chain that takes every node's first child from the root down: a tree's
+        preferred path (siblings come in the order verification tries them)."""
+        if self.parents is None:
+            return self
+        keep: list[int] = []
+        for node, parent in enumerate(self.parents):
+            if parent == (keep[-1] if keep else -1):
+                keep.append(node)
+        return replace(self.subset(keep), parents=None)
+
     def truncated(self, depth: int, nodes: int | None = None) -> Draft:
         """The draft cut to paths of at most `depth` tokens and (trees) the first `nodes` nodes."""
         if self.parents is None:

@@ -1,0 +1,253 @@
+"""Hugging Face directories on llama.cpp's kernels: the directory written once as a GGUF file by
+our own writer (`export_gguf`, the directory's vocabulary kept) and kept in the cache.
+
+On a CPU llama.cpp decodes a Llama-family model in 1.6-3.2x fewer CPU-seconds a token than
+the PyTorch forwards (docs/gguf.md), so `--backend auto` runs a directory there when all of
+these hold:
+
+- llama-cpp-python and gguf are installed, the device is the CPU, and neither `--dtype` nor
+  `--passes` asks for something of the PyTorch backends;
+- the model is one the writer keeps exact: a Llama or Mistral decoder the native forward runs,
+  a byte-level BPE tokenizer, weights stored in float32, bfloat16 or float16, written in that
+  same type (llama.cpp has no float64 kernels: a float64 checkpoint stays on PyTorch);
+- llama.cpp tokenizes a sample as the directory's tokenizer does (checked once, when written);
+- a target (the model whose rows decide the output) only where llama.cpp gives a row the same
+  bits in a pass of several rows as alone, as the backend's row probe finds
+  (`LlamaCppBackend.invariant`): speculative output must equal plain output, and a plain run
+  must print what a speculative run of the same target prints, so both run the target on the
+  same backend. A draft model's rows decide nothing: it runs there wherever the rest allows;
+- it is not the target of an EAGLE-3 head: a head may read the last layer's output, which
+  llama.cpp does not hand out (`--backend llama.cpp` runs one that reads earlier layers).
+
+Otherwise the directory runs on PyTorch, as it always did. `--backend llama.cpp` on a directory
+takes the same file (an error where it cannot be written), `--backend native`/`hf` never do.
+
+The file is `cache_dir("gguf-models")/<key>.<type>.gguf`, key a SHA-256 over the directory's
+files (their contents, streamed) and the writer's format: a changed weight, config or tokenizer
+file writes a new one. Each file's SHA-256 is remembered by its path, size and modification
+time (`file-hashes.json`), so an unchanged directory is not read again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+from specdecode.backends.options import LoadOptions
+from specdecode.errors import SpecdecodeError
+from specdecode.local import cache_dir
+
+if TYPE_CHECKING:
+    from specdecode.backends.hf import HFBackend
+    from specdecode.backends.llama_cpp import LlamaCppBackend
+
+# What a loaded model is for, which decides whether its rows must be invariant (see above):
+# the output's target, a draft model, or the target of an EAGLE-3 head.
+Use = Literal["target", "draft", "hidden"]
+WRITER_FORMAT = 1  # of the cached files: a new format writes them again
+STORED_TYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}  # checkpoint dtype -> GGUF type
+GGUF_MODEL_TYPES = ("llama", "mistral")  # what `export_gguf` writes, as llama.cpp's "llama"
+TOKENIZER_SAMPLE = (
+    "def read_lines(path, encoding='utf-8'):\n    return [line.rstrip('\\n') for line in open(path)]\n"
+    "  Ünïcödé — 日本語, 12345 + 6.7e-8;\t\tx != y  \n\n"
+)
+HASH_CHUNK = 1 << 20
+
+
+def models_dir() -> Path:
+    return cache_dir("gguf-models")
+
+
+def load_directory(
+    path: Path,
+    options: LoadOptions,
+    use: Use,
+    pytorch: Callable[[Path, LoadOptions], HFBackend],
+) -> HFBackend | LlamaCppBackend:
+    """The directory on llama.cpp where `options` and the rules above allow, else `pytorch`'s
+    backend; either says in `backend_note` which backend auto chose and why, where llama.cpp
+    was a candidate."""
+    explicit = options.backend == "llama.cpp"
+    if not explicit and not _candidate(options):
+        return pytorch(path, options)
+    from specdecode.backends import llama_cpp as llama_cpp_backend  # loads llama.cpp's library
+
+    if not llama_cpp_backend.available():
+        if explicit:
+            raise SpecdecodeError(
+                f"the llama.cpp backend needs llama-cpp-python: {llama_cpp_backend.INSTALL_HINT}"
+            )
+        return pytorch(path, options)
+    from specdecode.backends.hf import check_model_directory, load_model_config
+
+    directory = check_model_directory(path)
+    kind, reason = gguf_type(directory, load_model_config(directory))
+    if reason is not None:
+        if explicit:
+            raise SpecdecodeError(f"{directory}: the llama.cpp backend cannot run this directory: {reason}")
+        return pytorch(path, options)
+    if use == "hidden" and not explicit:
+        return _on_pytorch(
+            pytorch,
+            path,
+            options,
+            "an EAGLE-3 head may read the last layer's output, which llama.cpp does not hand out "
+            "(--backend llama.cpp: there, for a head reading earlier layers)",
+        )
+    try:
+        gguf_path, written, differs = cached_gguf(directory, kind)
+    except (OSError, RuntimeError) as exc:  # RuntimeError: no home directory for the cache
+        if explicit:
+            raise SpecdecodeError(
+                f"{directory}: cannot keep its GGUF file in {models_dir()}: {exc}"
+            ) from None
+        return pytorch(path, options)
+    if differs is not None:
+        if explicit:
+            raise SpecdecodeError(f"{directory}: {differs}")
+        return _on_pytorch(pytorch, path, options, differs)
+    backend = llama_cpp_backend.LlamaCppBackend.load(gguf_path, options)
+    backend.name = directory.name
+    if use == "target" and not explicit and not backend.invariant:
+        del backend  # llama.cpp's weights freed before PyTorch reads its own
+        return _on_pytorch(
+            pytorch,
+            path,
+            options,
+            "llama.cpp rounds its rows differently in multi-row passes than alone in this build, so "
+            "speculative output would not equal plain output bit for bit (--backend llama.cpp runs "
+            "it there anyway, see docs/gguf.md)",
+        )
+    how = "written once to" if written else "kept in"
+    backend.backend_note = (
+        f"{directory.name}: llama.cpp's kernels (faster on a CPU than PyTorch's), on the directory's "
+        f"weights as a {kind} GGUF file {how} {gguf_path} (--backend native: PyTorch)"
+    )
+    return backend
+
+
+def _candidate(options: LoadOptions) -> bool:
+    """Whether auto may consider llama.cpp at all: on the CPU, nothing asked of PyTorch, and
+    llama-cpp-python and gguf installed (found without importing them)."""
+    if options.device != "cpu" or options.dtype != "auto" or options.passes != "auto":
+        return False
+    return all(importlib.util.find_spec(name) is not None for name in ("llama_cpp", "gguf"))
+
+
+def _on_pytorch(
+    pytorch: Callable[[Path, LoadOptions], HFBackend], path: Path, options: LoadOptions, why: str
+) -> HFBackend:
+    backend = pytorch(path, options)
+    backend.backend_note = f"{backend.name}: PyTorch, not llama.cpp's kernels: {why}"
+    return backend
+
+
+def gguf_type(directory: Path, config) -> tuple[str, None] | tuple[None, str]:
+    """(the GGUF type that keeps the checkpoint's weights exact, None), or (None, why none does)."""
+    from specdecode.backends.native import native_unsupported
+
+    if config.model_type not in GGUF_MODEL_TYPES:
+        return None, f"model_type {config.model_type!r} (written: {', '.join(GGUF_MODEL_TYPES)})"
+    reason = native_unsupported(config)
+    if reason is not None:
+        return None, reason
+    stored = str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32")
+    stored = stored.removeprefix("torch.")
+    if stored not in STORED_TYPES:
+        return None, f"weights stored in {stored} (llama.cpp computes in {', '.join(STORED_TYPES)})"
+    spec_file = directory / "tokenizer.json"
+    if not spec_file.is_file():
+        return None, "no tokenizer.json (the GGUF writer takes byte-level BPE tokenizers)"
+    model = json.loads(spec_file.read_text()).get("model") or {}
+    if model.get("type") != "BPE" or model.get("byte_fallback"):
+        return None, "not a byte-level BPE tokenizer (the GGUF writer takes those only)"
+    return STORED_TYPES[stored], None
+
+
+def cached_gguf(directory: Path, kind: str) -> tuple[Path, bool, str | None]:
+    """The directory's GGUF file of type `kind`, written once per content under `models_dir()`:
+    (its path, whether it was written now, why llama.cpp's tokenizer on it differs from the
+    directory's or None). A file that tokenizes otherwise is not kept; the verdict is."""
+    out = models_dir() / f"{content_key(directory)[:40]}.{kind}.gguf"
+    differs = out.with_suffix(".tokenizer-differs")
+    if differs.is_file():
+        return out, False, differs.read_text()
+    if out.is_file():
+        return out, False, None
+    from specdecode.backends.gguf_files import export_gguf
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.stem}.", dir=out.parent)) / out.name
+    try:
+        export_gguf(directory, staging, kind)
+        why = _tokenizes_otherwise(directory, staging)
+        if why is not None:
+            differs.write_text(why)
+            return out, True, why
+        os.replace(staging, out)
+    finally:
+        staging.unlink(missing_ok=True)
+        staging.parent.rmdir()
+    return out, True, None
+
+
+def _tokenizes_otherwise(directory: Path, gguf_path: Path) -> str | None:
+    """Why llama.cpp's tokenizer on the written file is not the directory's, or None."""
+    from specdecode.backends.hf import load_tokenizer
+    from specdecode.backends.llama_cpp import LlamaCppBackend
+
+    tokenizer = load_tokenizer(directory)
+    backend = LlamaCppBackend.load(gguf_path, LoadOptions(n_ctx=64))
+    for special in (True, False):
+        theirs = backend.tokenize(TOKENIZER_SAMPLE, add_special=special)
+        ours = tokenizer(TOKENIZER_SAMPLE, add_special_tokens=special)["input_ids"]
+        if theirs != ours:
+            return "llama.cpp tokenizes a sample text otherwise than the directory's tokenizer"
+    return None
+
+
+def content_key(directory: Path) -> str:
+    """SHA-256 over the writer's format and each file of `directory` (name and content)."""
+    memo_path = models_dir() / "file-hashes.json"
+    memo: dict[str, list] = {}
+    with contextlib.suppress(OSError, ValueError):
+        memo = json.loads(memo_path.read_text())
+    digest = hashlib.sha256(f"{WRITER_FORMAT} gguf {importlib.metadata.version('gguf')}".encode())
+    changed = False
+    for file in sorted(p for p in directory.iterdir() if p.is_file() and not p.name.startswith(".")):
+        stat = file.stat()
+        where, stamp = str(file.resolve()), [stat.st_size, stat.st_mtime_ns]
+        seen = memo.get(where)
+        if not isinstance(seen, list) or seen[:2] != stamp:
+            seen = memo[where] = [*stamp, file_sha256(file)]
+            changed = True
+        digest.update(f"{file.name}\0{seen[2]}\n".encode())
+    if changed:
+        _write_atomically(memo_path, json.dumps(memo))
+    return digest.hexdigest()
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while chunk := handle.read(HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Replace `path` whole, so that concurrent runs read the old or the new, never a part."""
+    with contextlib.suppress(OSError):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle, staging = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+        with os.fdopen(handle, "w") as out:
+            out.write(text)
+        os.replace(staging, path)
