@@ -118,6 +118,8 @@ def test_bad_arguments_are_refused(pair, tmp_path, capsys):
     assert "unknown task 'poetry'" in capsys.readouterr().err
     assert main([*base, "-p", "x" * 3000, "-n", "8"]) == 2  # longer than the context
     assert "context" in capsys.readouterr().err
+    assert main([*base, "--tasks", "editing,chat-edit"]) == 2  # a chat task without --chat
+    assert "chat-edit is a chat model's task: add --chat" in capsys.readouterr().err
     assert not (tmp_path / "results.json").exists()
 
 

@@ -167,10 +167,11 @@ def test_it_takes_export_folders_or_a_gguf_pair(monkeypatch, capsys):
 
 
 @needs_tools
-def test_a_short_chat_run_side_by_side(gguf_files):
+@pytest.mark.parametrize("templated", [True, False])
+def test_a_short_chat_run_side_by_side(gguf_files, templated):
     """Both sides read the same prompt tokens (llama-completion's list is checked) and every
-    system of ours starts as our plain answer does."""
-    chat = ChatPrompt(template=TEMPLATE_WITH_BOS)
+    system of ours starts as our plain answer does, through a chat template or raw (--raw)."""
+    chat = ChatPrompt(template=TEMPLATE_WITH_BOS) if templated else None
     target, draft = Path(gguf_files["target-q8_0.gguf"]), Path(gguf_files["draft-q8_0.gguf"])
     tallies, agree = llama_tools.measure_chat(target, draft, ["def wrap(text):"], 8, 1, TOOLS, chat)
     rows = {row["system"]: row for row in llama_tools.chat_rows(tallies, agree)}

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from specdecode.backends.hf import HFBackend, LoadOptions
 from specdecode.backends.load import load_backend
+from specdecode.bench.flags import CHAT_TASKS
 from specdecode.bench.machine import Machine, dtype_of, machine_line
 from specdecode.bench.metrics import summarize
 from specdecode.bench.report import (
@@ -126,6 +127,11 @@ def run_bench(
     chosen = settings(args)
     tasks = bench_tasks(args, chosen["prompts_per_task"])
     chat = chat_from_args(args)
+    if chat is None and (asked := [task.name for task in tasks if task.name in CHAT_TASKS]):
+        raise SpecdecodeError(
+            f"{asked[0]} is a chat model's task: add --chat (and --chat-template-file FILE for a "
+            "model without a chat template), or run the plain-text tasks"
+        )
     # the bench extra (rich, and matplotlib for the plots): missing, said before any model loads
     console = require("rich.console", "specdecode bench").Console(stderr=True)
     if not args.no_plots:

@@ -37,8 +37,10 @@ llama.cpp's programs given the same rendered text (`--no-escape`, and without th
 the model adds BOS itself, so that both sides read the same tokens: llama-completion's
 `--verbose-prompt` list is checked against ours), each stopping at end of generation:
 llama-completion (plain), llama-speculative-simple drafting with the draft at n_max/p_min
-3/0 (its defaults), 8/0.5 and 16/0.75, and llama-lookup; ours plain, the draft under the
-adaptive policy (the command line's) and the n-gram chain ngram-mod,ngram-map-k4v (classic).
+3/0 (its defaults), 8/0.5 and 16/0.75, and llama-lookup; ours plain, the command line's
+default with a draft (the adaptive policy over ngram-mod, ngram-map-k4v and the draft) and the
+n-gram chain ngram-mod,ngram-map-k4v alone (classic). --raw gives the tasks' prompts as they
+are, for models without a chat template (the bundled pair's exports).
 Every system runs once per prompt and round,
 in an order rotated each round. For llama.cpp's programs the CPU time is the child process's
 (getrusage), its model loading included, and wall-clock time the whole process's; their
@@ -63,6 +65,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specdecode import DraftModelConfig, GenerationConfig, Pipeline, SamplingParams
+from specdecode.api import BESIDE_A_DRAFT
 from specdecode.backends.hf import LoadOptions
 from specdecode.backends.llama_cpp import LlamaCppBackend
 from specdecode.bench.flags import CHAT_TASKS
@@ -286,7 +289,10 @@ def measure_pair(
 
 
 CHAT_DRAFTING = ((3, 0.0), (8, 0.5), (16, 0.75))  # llama-speculative-simple's n_max / p_min
-OURS_CHAT = ("plain", "draft@adaptive", "ngram-mod,ngram-map-k4v")  # adaptive: the command line's policy
+# ours: plain, the command line's default with a draft (the adaptive policy over the draft and the
+# n-gram strategies asked beside it), and that n-gram chain alone under the classic policy
+DEFAULT_WITH_DRAFT = ",".join([*BESIDE_A_DRAFT, "draft"]) + "@adaptive"
+OURS_CHAT = ("plain", DEFAULT_WITH_DRAFT, ",".join(BESIDE_A_DRAFT))
 PLAIN_CHAT = ("plain", COMPLETION)  # each side's baseline
 CHAT_CONTEXT = 4096  # both sides' context: the prompts and -n fit, and no program sizes a 32k cache
 PROMPT_LENGTH = re.compile(r"number of tokens in prompt = (\d+)")
@@ -393,12 +399,13 @@ def measure_chat(
 ) -> tuple[dict[str, list[ChatTally]], dict[str, list[bool]]]:
     """Every system, ours and llama.cpp's, once per prompt and round (rotated): per system a
     tally per round, and per system whether its text agrees with our plain answer. chat: the
-    template (and system message) to render with, in place of the target's own."""
+    template (and system message) to render with; None: the prompts as they are (a model
+    without a chat template)."""
     options = LoadOptions(backend="llama.cpp", threads=1, n_ctx=CHAT_CONTEXT)
     target = LlamaCppBackend.load(target_path, options)
     draft = LlamaCppBackend.load(draft_path, options)
     tokenizer = target.tokenizer
-    texts = [(chat or ChatPrompt()).text(tokenizer, prompt, target.name) for prompt in prompts]
+    texts = prompts if chat is None else [chat.text(tokenizer, prompt, target.name) for prompt in prompts]
     ours = {s.name: s for s in build_systems(OURS_CHAT, target, draft, DRAFT, NgramSettings())}
     tools_by_name = {s.name: s for s in chat_tool_systems()}
     names = [*ours, *tools_by_name]
@@ -563,6 +570,12 @@ def main() -> None:
     parser.add_argument(
         "--chat-template-file", type=Path, help="--target: a Jinja chat template in place of the model's"
     )
+    parser.add_argument(
+        "--raw",
+        action="store_true",
+        help="--target: the tasks' prompts as they are, not through a chat template (a model "
+        "without one, such as the bundled pair's exports; tasks: completion,editing,extraction,free)",
+    )
     parser.add_argument("-n", "--n-predict", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=1, help="alternated rounds (medians)")
     parser.add_argument(
@@ -576,16 +589,18 @@ def main() -> None:
     if (args.target is None) != (args.draft is None) or (args.target is None) == (not args.folders):
         parser.error("give export folders, or --target and --draft GGUF files")
     if args.target is not None:
-        tasks = build_tasks((args.tasks or ",".join(CHAT_TASKS)).split(","), args.prompts_per_task)
+        default_tasks = "completion,editing,extraction,free" if args.raw else ",".join(CHAT_TASKS)
+        tasks = build_tasks((args.tasks or default_tasks).split(","), args.prompts_per_task)
         prompts = [prompt for task in tasks for prompt in task.prompts]
         print(
-            f"{len(prompts)} chat prompts ({', '.join(t.name for t in tasks)}), -n {args.n_predict}, greedy, "
+            f"{len(prompts)} {'' if args.raw else 'chat '}prompts ({', '.join(t.name for t in tasks)}), "
+            f"-n {args.n_predict}, greedy, "
             f"1 thread, stop at end of generation, median of {args.rounds} round(s)"
         )
         template = (
             read_text_file(args.chat_template_file, "chat template file") if args.chat_template_file else None
         )
-        chat = ChatPrompt(template=template)
+        chat = None if args.raw else ChatPrompt(template=template)
         machine = Machine()
         tallies, agree = measure_chat(
             args.target, args.draft, prompts, args.n_predict, args.rounds, args.tools, chat
