@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import importlib
+import os
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
+from typing import BinaryIO
 
 # The optional packages, by the extra that installs them: the core (generation with any
 # strategy on Hugging Face directories) needs none of them, so each is imported only by the
@@ -31,6 +35,29 @@ def read_text_file(path: str | Path, what: str = "file") -> str:
         return Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise SpecdecodeError(f"cannot read the {what} {path}: {exc}") from None
+
+
+def write_atomically(path: Path, what: str, write: Callable[[BinaryIO], None]) -> None:
+    """`write` the file's bytes into a temporary file beside `path`, which replaces `path` only
+    once complete (with its permissions kept): on any failure, interruption included, an existing
+    file is left as it was and no temporary file remains. what: the file's kind, for errors."""
+    try:
+        mode = path.stat().st_mode & 0o777 if path.exists() else 0o644
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as exc:
+        raise SpecdecodeError(f"cannot write {what} {path}: {exc.strerror or exc}") from None
+    try:
+        with os.fdopen(fd, "wb") as file:
+            write(file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException as exc:  # interrupted too: never leave the temporary file behind
+        Path(tmp).unlink(missing_ok=True)
+        if isinstance(exc, OSError):
+            raise SpecdecodeError(f"cannot write {what} {path}: {exc.strerror or exc}") from None
+        raise
 
 
 def missing_package(exc: ImportError, feature: str) -> SpecdecodeError | None:

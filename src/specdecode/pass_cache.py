@@ -17,17 +17,16 @@ cache off.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import math
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from specdecode import local
 from specdecode.backends import Backend
+from specdecode.errors import SpecdecodeError, write_atomically
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".packed")
 FORMAT = 1  # of the stored files: a file of another format is foreign
@@ -106,16 +105,9 @@ def write_value(key: dict[str, Any], field: str, value: Any) -> None:
     try:
         path = _path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
-        handle, temporary = tempfile.mkstemp(prefix=f".{path.stem}-", suffix=".json", dir=path.parent)
-    except (OSError, RuntimeError):
+        write_atomically(path, "pass timings", lambda file: file.write(text.encode()))
+    except (OSError, RuntimeError, SpecdecodeError):
         return
-    try:
-        with os.fdopen(handle, "w") as file:
-            file.write(text)
-        os.replace(temporary, path)
-    except OSError:
-        with contextlib.suppress(OSError):
-            os.unlink(temporary)
 
 
 def _path(key: dict[str, Any]) -> Path:

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from specdecode.backends.options import LoadOptions
-from specdecode.errors import SpecdecodeError
+from specdecode.errors import SpecdecodeError, write_atomically
 from specdecode.local import cache_dir
 
 if TYPE_CHECKING:
@@ -245,9 +245,6 @@ def file_sha256(path: Path) -> str:
 
 def _write_atomically(path: Path, text: str) -> None:
     """Replace `path` whole, so that concurrent runs read the old or the new, never a part."""
-    with contextlib.suppress(OSError):
+    with contextlib.suppress(OSError, SpecdecodeError):
         path.parent.mkdir(parents=True, exist_ok=True)
-        handle, staging = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-        with os.fdopen(handle, "w") as out:
-            out.write(text)
-        os.replace(staging, path)
+        write_atomically(path, "cache file", lambda file: file.write(text.encode()))

@@ -28,15 +28,13 @@ from __future__ import annotations
 import contextlib
 import gc
 import itertools
-import os
-import tempfile
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeAlias
 
 import numpy as np
 
-from specdecode.errors import SpecdecodeError
+from specdecode.errors import SpecdecodeError, write_atomically
 from specdecode.strategies.base import Draft
 
 NgramCache: TypeAlias = dict[tuple[int, ...], dict[int, int]]
@@ -289,23 +287,7 @@ def save(cache: NgramCache, path: str | Path) -> None:
     so on any failure an existing file is left as it was."""
     path = Path(path)
     data = _encode(cache)
-    try:
-        mode = path.stat().st_mode & 0o777 if path.exists() else 0o644
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    except OSError as exc:
-        raise SpecdecodeError(f"cannot write n-gram cache {path}: {exc.strerror or exc}") from None
-    try:
-        with os.fdopen(fd, "wb") as file:
-            data.tofile(file)
-            file.flush()
-            os.fsync(file.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException as exc:  # interrupted too: never leave the temporary file behind
-        Path(tmp).unlink(missing_ok=True)
-        if isinstance(exc, OSError):
-            raise SpecdecodeError(f"cannot write n-gram cache {path}: {exc.strerror or exc}") from None
-        raise
+    write_atomically(path, "n-gram cache", data.tofile)
 
 
 # --------------------------------------------------------------------------- strategy

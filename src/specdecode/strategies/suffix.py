@@ -32,8 +32,6 @@ atomically, after every generation; the file holds the requests' tokens, the ind
 
 from __future__ import annotations
 
-import os
-import tempfile
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -41,7 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from specdecode.config import SuffixConfig
-from specdecode.errors import SpecdecodeError
+from specdecode.errors import SpecdecodeError, write_atomically
 from specdecode.strategies.base import Draft
 
 KEY = 3  # tokens hashed to find occurrences: a shorter match drafts nothing
@@ -376,23 +374,8 @@ def write_requests(path: Path, requests: list[np.ndarray], vocab_size: int | Non
     header = np.array([(VERSION, vocab_size or 0, len(requests), sum(map(len, requests)))], dtype=_HEADER)
     lengths = np.array([len(request) for request in requests], dtype="<i8")
     tokens = np.concatenate(requests).astype("<i4") if requests else np.zeros(0, dtype="<i4")
-    try:
-        mode = path.stat().st_mode & 0o777 if path.exists() else 0o644
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    except OSError as exc:
-        raise SpecdecodeError(f"cannot write suffix file {path}: {exc.strerror or exc}") from None
-    try:
-        with os.fdopen(fd, "wb") as file:
-            file.write(MAGIC + header.tobytes() + lengths.tobytes() + tokens.tobytes())
-            file.flush()
-            os.fsync(file.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException as exc:  # interrupted too: never leave the temporary file behind
-        Path(tmp).unlink(missing_ok=True)
-        if isinstance(exc, OSError):
-            raise SpecdecodeError(f"cannot write suffix file {path}: {exc.strerror or exc}") from None
-        raise
+    data = MAGIC + header.tobytes() + lengths.tobytes() + tokens.tobytes()
+    write_atomically(path, "suffix file", lambda file: file.write(data))
 
 
 def read_requests(path: Path, vocab_size: int | None) -> list[np.ndarray]:
