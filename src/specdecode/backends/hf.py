@@ -66,6 +66,7 @@ class HFBackend:
         self.vocab = _vocab_info(model, tokenizer)
         self._texts: list[str] | None = None
         self._tokens: list[int] = []
+        self._fresh = 0  # leading cached positions scored in whole chunks, as a fresh prompt's are
         self._cache = DynamicCache(config=model.config)
         self._cache_keyword = cache_keyword(model)
         self._recorder: HiddenRows | None = None  # set by capture_hidden
@@ -192,7 +193,10 @@ class HFBackend:
         for start in range(0, total, self.n_batch):
             end = min(start + self.n_batch, total)
             keep = end - max(start, first_wanted)
+            position = len(self._tokens)
             logits = self._forward(ids[start:end], max(keep, 1))  # [1, max(keep,1), V]
+            if position == self._fresh and end - start == self.n_batch:
+                self._fresh += self.n_batch
             if keep > 0:
                 rows.append(logits[0, -keep:])
         if not rows:
@@ -200,11 +204,21 @@ class HFBackend:
         out = torch.cat(rows) if len(rows) > 1 else rows[0]
         return out if out.dtype == torch.float64 else out.float().cpu()
 
+    def reusable_prefix(self, cached: int) -> int:
+        """How many of the first `cached` positions a new prompt may keep: the whole chunks a
+        fresh context would have scored in the same passes (transformers' kernels round a row by
+        its pass's shape: a last prompt token re-scored alone differs from the whole prompt's
+        pass by about 1e-5 in float32). The prompt's other chunks then have the shapes they have
+        in a fresh run, so a cached prompt gives a fresh run's bits; a prompt shorter than
+        `n_batch` is scored whole each time."""
+        return min(cached, self._fresh) // self.n_batch * self.n_batch
+
     def truncate(self, n: int) -> None:
         n = max(0, n)
         self._drop_tree()
         if n >= len(self._tokens):
             return
+        self._fresh = min(self._fresh, n)
         self._crop_cache(n)
         del self._tokens[n:]
         if self._recorder is not None:

@@ -484,6 +484,10 @@ class NativeBackend(HFBackend):
         # Per layer, which node's keys and values fill each slot after the prefix (tree passes).
         self._windows: list[list[int]] = [[] for _ in self.weights.layers]
 
+    def reusable_prefix(self, cached: int) -> int:
+        """Every cached position: rows are computed alike in passes of any shape."""
+        return cached
+
     def truncate(self, n: int) -> None:
         n = max(0, n)
         self._drop_tree()
