@@ -144,7 +144,9 @@ def test_it_reads_each_programs_generated_tokens_and_times():
 
 
 def test_chat_rows_are_medians_over_rounds_of_sums_over_prompts():
-    tally = llama_tools.ChatTally
+    def tally(tokens, seconds, cpu_seconds, generation_seconds, drafted=0, accepted=0):
+        return llama_tools.Tally(tokens, seconds, drafted, accepted, cpu_seconds, generation_seconds)
+
     tallies = {
         "plain": [tally(64, 4.0, 2.0, 3.2), tally(64, 2.0, 1.0, 1.6), tally(64, 8.0, 4.0, 6.4)],
         "llama-lookup": [tally(60, 6.0, 3.0, 2.0, 8, 4)] * 3,

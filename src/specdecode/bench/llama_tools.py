@@ -131,18 +131,32 @@ TOOL_TRIES = 10
 
 @dataclass
 class Tally:
-    """Tokens and seconds summed over the prompts of one round; drafted and accepted tokens."""
+    """Tokens and wall-clock seconds summed over the prompts of one round; drafted and accepted
+    tokens; where measured (the chat runs), CPU and generation-only seconds."""
 
     tokens: int = 0
     seconds: float = 0.0
     drafted: int = 0
     accepted: int = 0
+    cpu_seconds: float = 0.0
+    generation_seconds: float = 0.0
 
-    def add(self, tokens: int, seconds: float, drafted: int = 0, accepted: int = 0) -> None:
+    def add(
+        self,
+        tokens: int,
+        seconds: float,
+        drafted: int = 0,
+        accepted: int = 0,
+        *,
+        cpu_seconds: float = 0.0,
+        generation_seconds: float = 0.0,
+    ) -> None:
         self.tokens += tokens
         self.seconds += seconds
         self.drafted += drafted
         self.accepted += accepted
+        self.cpu_seconds += cpu_seconds
+        self.generation_seconds += generation_seconds
 
     @property
     def rate(self) -> float:
@@ -375,19 +389,6 @@ def tool_figures(system: System, output: str) -> tuple[int, float, int, int]:
     )
 
 
-@dataclass
-class ChatTally:
-    """One system's sums over the prompts of a round: tokens, wall-clock, CPU and generation-only
-    seconds, drafted and accepted tokens."""
-
-    tokens: int = 0
-    seconds: float = 0.0
-    cpu_seconds: float = 0.0
-    generation_seconds: float = 0.0
-    drafted: int = 0
-    accepted: int = 0
-
-
 def measure_chat(
     target_path: Path,
     draft_path: Path,
@@ -396,7 +397,7 @@ def measure_chat(
     rounds: int,
     tools: Path,
     chat: ChatPrompt | None = None,
-) -> tuple[dict[str, list[ChatTally]], dict[str, list[bool]]]:
+) -> tuple[dict[str, list[Tally]], dict[str, list[bool]]]:
     """Every system, ours and llama.cpp's, once per prompt and round (rotated): per system a
     tally per round, and per system whether its text agrees with our plain answer. chat: the
     template (and system message) to render with; None: the prompts as they are (a model
@@ -409,7 +410,7 @@ def measure_chat(
     ours = {s.name: s for s in build_systems(OURS_CHAT, target, draft, DRAFT, NgramSettings())}
     tools_by_name = {s.name: s for s in chat_tool_systems()}
     names = [*ours, *tools_by_name]
-    tallies: dict[str, list[ChatTally]] = {name: [ChatTally() for _ in range(rounds)] for name in names}
+    tallies: dict[str, list[Tally]] = {name: [Tally() for _ in range(rounds)] for name in names}
     agree: dict[str, list[bool]] = {}
     for system in ours.values():  # uncounted: the first call of a process pays one-time costs
         system.make_pipeline().generate(
@@ -438,13 +439,16 @@ def measure_chat(
                         run = pipeline.generate(
                             ids, SamplingParams(temperature=0), GenerationConfig(n_predict)
                         )
-                        tally.seconds += time.perf_counter() - wall
-                        tally.cpu_seconds += time.process_time() - cpu
+                        seconds, cpu_seconds = time.perf_counter() - wall, time.process_time() - cpu
                         stats = run.stats
-                        tally.tokens += stats.n_generated
-                        tally.generation_seconds += stats.t_generation
-                        tally.drafted += stats.totals.n_drafted
-                        tally.accepted += stats.totals.n_accepted
+                        tally.add(
+                            stats.n_generated,
+                            seconds,
+                            stats.totals.n_drafted,
+                            stats.totals.n_accepted,
+                            cpu_seconds=cpu_seconds,
+                            generation_seconds=stats.t_generation,
+                        )
                         answers[name] = target.detokenize(run.tokens)
                         continue
                     system = tools_by_name[name]
@@ -457,12 +461,14 @@ def measure_chat(
                             f"{prompt_tokens(run.output)[:16]}... against {ids[:16]}..."
                         )
                     tokens, generation, drafted, accepted = tool_figures(system, run.output)
-                    tally.tokens += tokens
-                    tally.seconds += run.seconds
-                    tally.cpu_seconds += run.cpu_seconds
-                    tally.generation_seconds += generation
-                    tally.drafted += drafted
-                    tally.accepted += accepted
+                    tally.add(
+                        tokens,
+                        run.seconds,
+                        drafted,
+                        accepted,
+                        cpu_seconds=run.cpu_seconds,
+                        generation_seconds=generation,
+                    )
                     answers[name] = COLOUR.sub("", run.output)  # drafted tokens are printed coloured
                 reference = answers["plain"].strip()[:ANSWER_CHARS]
                 for name in names:
@@ -478,7 +484,7 @@ def measure_chat(
 ANSWER_CHARS = 120  # the start of our plain answer another system's text must contain
 
 
-def chat_rows(tallies: dict[str, list[ChatTally]], agree: dict[str, list[bool]]) -> list[dict]:
+def chat_rows(tallies: dict[str, list[Tally]], agree: dict[str, list[bool]]) -> list[dict]:
     """Per system: medians over rounds of its rates, its totals over all rounds, and its
     generation-only speed-up over its own side's plain system (ours, llama-completion)."""
     rows = []
@@ -507,7 +513,7 @@ def chat_rows(tallies: dict[str, list[ChatTally]], agree: dict[str, list[bool]])
     return rows
 
 
-def _median_rate(tallies: list[ChatTally], rate: Callable[[ChatTally], float]) -> float:
+def _median_rate(tallies: list[Tally], rate: Callable[[Tally], float]) -> float:
     return statistics.median(rate(t) for t in tallies)
 
 
