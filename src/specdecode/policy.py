@@ -294,10 +294,9 @@ class DraftCalls:
     def __init__(self, prior: float) -> None:
         self._sums = DecayedSums(3)  # features (1, steps, missed)
         self._line: tuple[float, float, float] | None = None
-        self.calls = 0
+        self.calls = 0  # the calls run: the prior's pseudo-calls below are none of them
         for steps in (1, 2):
-            self.observe(steps, prior * steps, 0)
-        self.calls = 0  # the calls run: the prior's pseudo-calls are none of them
+            self._sums.observe((1.0, float(steps), 0.0), prior * steps)
 
     def observe(self, steps: int, seconds: float, missed: int) -> None:
         self._sums.observe((1.0, float(steps), float(missed)), seconds)
