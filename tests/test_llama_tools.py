@@ -160,24 +160,81 @@ def test_chat_rows_are_medians_over_rounds_of_sums_over_prompts():
     assert plain["generation_speedup"] == 1.0 and lookup["generation_speedup"] is None  # no llama-completion
 
 
+def test_chat_figures_are_given_per_task_and_over_all_tasks(capsys):
+    def tally(tokens, seconds, cpu_seconds):
+        return llama_tools.Tally(tokens, seconds, cpu_seconds=cpu_seconds, generation_seconds=seconds)
+
+    results = llama_tools.ChatResults(
+        tallies={
+            "chat-edit": {
+                "plain": [tally(64, 2.0, 2.0), tally(64, 4.0, 4.0)],
+                "llama-lookup": [tally(64, 1.0, 1.0)] * 2,
+            },
+            "chat-qa": {
+                "plain": [tally(32, 2.0, 1.0), tally(32, 2.0, 1.0)],
+                "llama-lookup": [tally(32, 4.0, 4.0)] * 2,
+            },
+        },
+        agree={
+            "chat-edit": {"plain": [True, True], "llama-lookup": [True, False]},
+            "chat-qa": {"plain": [True, True], "llama-lookup": [True, True]},
+        },
+    )
+    tallies, agree = results.total()
+    assert [(t.tokens, t.seconds, t.cpu_seconds) for t in tallies["plain"]] == [
+        (96, 4.0, 3.0),
+        (96, 6.0, 5.0),
+    ]
+    assert agree["llama-lookup"] == [True, False, True, True]
+    total = llama_tools.chat_rows(tallies, agree)
+    by_task = {
+        task: llama_tools.chat_rows(results.tallies[task], results.agree[task]) for task in results.tallies
+    }
+    assert [row["tokens_per_cpu_second"] for row in by_task["chat-edit"]] == [24.0, 64.0]  # medians of 32, 16
+    assert [row["tokens_per_cpu_second"] for row in by_task["chat-qa"]] == [32.0, 8.0]
+    assert [row["tokens_per_cpu_second"] for row in total] == [
+        25.6,
+        19.2,
+    ]  # over the tasks' sums: lookup loses
+    llama_tools.print_task_table(by_task, total)
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].startswith("| system | side | chat-edit tok/CPU-s | chat-edit tok/s | chat-qa tok/CPU-s")
+    assert lines[2] == "| plain | ours | 24.0 | 24.0 | 32.0 | 16.0 | 25.6 | 20.0 |"
+    assert lines[3] == "| llama-lookup | llama.cpp | 64.0 | 64.0 | 8.0 | 8.0 | 19.2 | 19.2 |"
+
+
 def test_it_takes_export_folders_or_a_gguf_pair(monkeypatch, capsys):
     for argv in ([], ["--target", "t.gguf"], ["folder", "--target", "t.gguf", "--draft", "d.gguf"]):
         monkeypatch.setattr(sys, "argv", ["llama_tools", *argv])
         with pytest.raises(SystemExit):
             llama_tools.main()
         assert "--target and --draft" in capsys.readouterr().err
+    json_file = Path("missing-folder", "figures.json")
+    monkeypatch.setattr(
+        sys, "argv", ["llama_tools", "--target", "t.gguf", "--draft", "d.gguf", "--json", str(json_file)]
+    )
+    with pytest.raises(SystemExit):
+        llama_tools.main()
+    assert "--json: no folder missing-folder" in capsys.readouterr().err
 
 
 @needs_tools
 @pytest.mark.parametrize("templated", [True, False])
 def test_a_short_chat_run_side_by_side(gguf_files, templated):
     """Both sides read the same prompt tokens (llama-completion's list is checked) and every
-    system of ours starts as our plain answer does, through a chat template or raw (--raw)."""
+    system of ours starts as our plain answer does, through a chat template or raw (--raw);
+    templated, also ours on weights not repacked, over two tasks."""
     chat = ChatPrompt(template=TEMPLATE_WITH_BOS) if templated else None
     target, draft = Path(gguf_files["target-q8_0.gguf"]), Path(gguf_files["draft-q8_0.gguf"])
-    tallies, agree = llama_tools.measure_chat(target, draft, ["def wrap(text):"], 8, 1, TOOLS, chat)
-    rows = {row["system"]: row for row in llama_tools.chat_rows(tallies, agree)}
-    assert set(rows) == {*llama_tools.OURS_CHAT, *(s.name for s in llama_tools.chat_tool_systems())}
+    prompts = [("free", "def wrap(text):"), ("edit", "x = 1")] if templated else [("free", "def wrap(text):")]
+    results = llama_tools.measure_chat(target, draft, prompts, 8, 1, TOOLS, chat, no_repack=templated)
+    assert list(results.tallies) == [task for task, _ in prompts]
+    ours = [
+        *llama_tools.OURS_CHAT,
+        *((name + " -nr" for name in llama_tools.OURS_CHAT[:2]) if templated else ()),
+    ]
+    rows = {row["system"]: row for row in llama_tools.chat_rows(*results.total())}
+    assert set(rows) == {*ours, *(s.name for s in llama_tools.chat_tool_systems())}
     for row in rows.values():
         assert row["tokens"] > 0 and row["tokens_per_cpu_second"] > 0, row
-    assert all(rows[name]["same_as_plain"] == 1 for name in llama_tools.OURS_CHAT)
+    assert all(rows[name]["same_as_plain"] == len(prompts) and rows[name]["side"] == "ours" for name in ours)

@@ -1,5 +1,6 @@
 """The adaptive policy's pass timings, stored across runs: reused for the same model and
-machine, timed again for another key, a damaged file or a foreign one."""
+machine while a one-row pass timed now agrees with them, timed again where it does not, for
+another key, a damaged file or a foreign one."""
 
 from __future__ import annotations
 
@@ -9,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from specdecode import pass_cache
+from specdecode import pass_cache, policy
 from specdecode.api import Pipeline
+from specdecode.backends import Backend
 from specdecode.backends.load import load_backend
-from specdecode.policy import CALIBRATION_ROWS, CostModel, PolicyModels
+from specdecode.policy import CALIBRATION_ROWS, PolicyModels
 
 TIMING = "timing the target's passes for the adaptive policy"
 REUSING = "reusing the target's pass timings from an earlier run"
@@ -26,34 +28,83 @@ def cache(tmp_path: Path, monkeypatch) -> Path:
     return tmp_path / "cache" / "specdecode" / "pass-costs"
 
 
+class Timer:
+    """The policy's pass timer on a machine whose speed the test sets: a pass of T rows takes
+    `one_row` * (1 + 0.1 (T - 1)) seconds, the same every time (a tiny model's real passes vary
+    too much on a busy machine for a test of a 1.5x threshold); records the rows of each call."""
+
+    def __init__(self) -> None:
+        self.one_row = 0.01
+        self.calls: list[tuple[int, ...]] = []
+
+    def __call__(self, backend: Backend, rows: tuple[int, ...], context_length: int = 32) -> dict[int, float]:
+        self.calls.append(tuple(rows))
+        return {n: self.one_row * (1 + 0.1 * (n - 1)) for n in rows}
+
+    @property
+    def calibrations(self) -> int:
+        """The times every row count was timed (a one-row check is not one)."""
+        return self.calls.count(CALIBRATION_ROWS)
+
+
 @pytest.fixture
-def timings(monkeypatch) -> list[int]:
-    """A record of the real calibration's calls (one entry per call)."""
-    calls: list[int] = []
-    calibrate = CostModel.calibrate
-
-    def counted(self, backend, rows=CALIBRATION_ROWS):
-        calls.append(1)
-        return calibrate(self, backend, rows)
-
-    monkeypatch.setattr(CostModel, "calibrate", counted)
-    return calls
+def timings(monkeypatch) -> Timer:
+    timer = Timer()
+    monkeypatch.setattr(policy, "time_passes", timer)
+    return timer
 
 
-def load_policy(model_dir: Path) -> tuple[PolicyModels, list[str]]:
+def load_policy(model_dir: Path, drafts: bool = False) -> tuple[PolicyModels, list[str]]:
     lines: list[str] = []
-    return PolicyModels.for_target(load_backend(model_dir), lines.append), lines
+    draft = {"draft": load_backend(model_dir)} if drafts else None
+    return PolicyModels.for_target(load_backend(model_dir), lines.append, draft), lines
 
 
 def test_a_second_load_reuses_the_timings_written_by_the_first(saved_model_dir, cache, timings):
     first, said = load_policy(saved_model_dir)
-    assert said == [TIMING] and len(timings) == 1
+    assert said == [TIMING] and timings.calibrations == 1
     assert len(list(cache.glob("*.json"))) == 1
     second, said = load_policy(saved_model_dir)
-    assert said == [REUSING] and len(timings) == 1
+    assert said == [REUSING] and timings.calibrations == 1
     assert second.costs.calibrated == first.costs.calibrated
     assert set(first.costs.calibrated) == set(CALIBRATION_ROWS)
     assert second.costs.pass_time(5) == first.costs.pass_time(5)
+
+
+@pytest.mark.parametrize("now", [0.001, 0.03])  # a busy machine's timings on a quiet one, and back
+def test_timings_the_machine_no_longer_gives_are_timed_again_and_replaced(
+    saved_model_dir, cache, timings, now
+):
+    load_policy(saved_model_dir)
+    timings.one_row = now
+    models, said = load_policy(saved_model_dir)
+    assert said == [f"stored pass timings are {0.01 / now:.2g}x the target's one-row pass now: timing again"]
+    assert timings.calibrations == 2 and models.costs.calibrated[1] == pytest.approx(now)
+    again, said = load_policy(saved_model_dir)
+    assert said == [REUSING] and timings.calibrations == 2
+    assert again.costs.calibrated == models.costs.calibrated
+
+
+@pytest.mark.parametrize("now", [0.007, 0.014])
+def test_timings_within_the_stale_factor_are_kept(saved_model_dir, cache, timings, now):
+    first, _ = load_policy(saved_model_dir)
+    timings.one_row = now
+    second, said = load_policy(saved_model_dir)
+    assert said == [REUSING] and timings.calibrations == 1
+    assert timings.calls[-1] == (1,)  # the check: one row count, not the whole timing
+    assert second.costs.calibrated == first.costs.calibrated
+
+
+def test_a_drafting_models_stored_steps_follow_the_machine(saved_model_dir, cache, timings):
+    load_policy(saved_model_dir, drafts=True)
+    timings.one_row = 0.012  # within the factor: the stored step stays
+    models, _ = load_policy(saved_model_dir, drafts=True)
+    assert models.costs.step_time("draft") == pytest.approx(0.01, rel=0.01)
+    timings.one_row = 0.001
+    for _ in range(2):  # timed again, then stored
+        models, _ = load_policy(saved_model_dir, drafts=True)
+        assert models.costs.step_time("draft") == pytest.approx(0.001, rel=0.01)
+        timings.one_row = 0.0012
 
 
 def test_changed_weights_are_timed_again(saved_model_dir, cache, timings):
@@ -62,7 +113,7 @@ def test_changed_weights_are_timed_again(saved_model_dir, cache, timings):
     stat = weights.stat()
     os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
     _, said = load_policy(saved_model_dir)
-    assert said == [TIMING] and len(timings) == 2
+    assert said == [TIMING] and timings.calibrations == 2
     assert len(list(cache.glob("*.json"))) == 2
 
 
@@ -85,9 +136,9 @@ def test_a_damaged_or_foreign_file_is_timed_again_and_rewritten(saved_model_dir,
             stored["costs"]["4096"] = 1.0
         path.write_text(json.dumps(stored))
     _, said = load_policy(saved_model_dir)
-    assert said == [TIMING] and len(timings) == 2
+    assert said == [TIMING] and timings.calibrations == 2
     _, said = load_policy(saved_model_dir)  # rewritten whole
-    assert said == [REUSING] and len(timings) == 2
+    assert said == [REUSING] and timings.calibrations == 2
 
 
 def test_the_cache_is_off_when_asked_and_for_models_without_files(
@@ -101,7 +152,7 @@ def test_the_cache_is_off_when_asked_and_for_models_without_files(
     monkeypatch.setenv("SPECDECODE_NO_PASS_CACHE", "1")
     load_policy(saved_model_dir)
     load_policy(saved_model_dir)
-    assert len(timings) == 3 and not cache.exists()
+    assert timings.calibrations == 3 and not cache.exists()
 
 
 def test_an_unwritable_cache_only_costs_the_timing(saved_model_dir, tmp_path, monkeypatch, timings):
@@ -111,7 +162,7 @@ def test_an_unwritable_cache_only_costs_the_timing(saved_model_dir, tmp_path, mo
     for _ in range(2):
         _, said = load_policy(saved_model_dir)
         assert said == [TIMING]
-    assert len(timings) == 2
+    assert timings.calibrations == 2
 
 
 def test_the_pipeline_says_which_happened(saved_model_dir, cache, timings):
@@ -121,4 +172,10 @@ def test_the_pipeline_says_which_happened(saved_model_dir, cache, timings):
         settings = {"spec_types": ["ngram-simple"], "spec_policy": "adaptive"}
         Pipeline.load(saved_model_dir, progress=lines.append, **settings)
         phases.append(lines[1:])
-    assert phases == [[TIMING], [REUSING]] and len(timings) == 1
+    assert phases == [[TIMING], [REUSING]] and timings.calibrations == 1
+
+
+def test_the_check_times_one_row_passes_after_a_short_context(saved_model_dir):
+    backend = load_backend(saved_model_dir)
+    timings = policy.time_passes(backend, (1,), policy.CHECK_CONTEXT)
+    assert list(timings) == [1] and timings[1] > 0 and backend.tokens == []

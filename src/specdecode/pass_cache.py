@@ -4,8 +4,10 @@ Timing the target's passes at load costs seconds to tens of seconds on a large m
 every run, for numbers that change only with the model's shape, the backend, the dtype, the
 threads, the device and the machine. So they are stored, one small JSON file per such key, in
 `$XDG_CACHE_HOME/specdecode/pass-costs/` (~/.cache by default). The policy still learns from the
-passes it runs, so a stored timing only has to be a good start. llama.cpp's row-invariance
-probe keeps its verdict the same way (`read_value`, `write_value`), under a key of its own.
+passes it runs, so a stored timing only has to be a good start; the policy checks it against
+a one-row pass timed at load and times everything again where the machine's load has changed
+it by more than STALE_FACTOR (`specdecode.policy`). llama.cpp's row-invariance probe keeps its
+verdict the same way (`read_value`, `write_value`), under a key of its own.
 
 A model is known by its files (a directory by its config.json and its weight files' names,
 sizes and modification times; a GGUF file by its path, size and modification time); a model

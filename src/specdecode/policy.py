@@ -77,10 +77,12 @@ from specdecode.errors import SpecdecodeError
 CALIBRATION_ROWS = (1, 2, 3, 5, 9, 17)
 CALIBRATION_REPS = 3
 CALIBRATION_CONTEXT = 32  # tokens in the cache while timing, as after a short prompt
+CHECK_CONTEXT = 4  # ... while checking stored timings: a one-row pass costs nearly the same, the prompt less
 PRIOR_PASS = 0.01  # seconds of a one-row pass before anything is measured
 PRIOR_SLOPE = 0.1  # pass(T) / pass(1) = 1 + 0.1 (T - 1) before it is measured (a CPU's shape)
 PRIOR_DRAFT_STEP = 0.1  # a draft step, as a share of a one-row target pass, where the model was not timed
 DRAFT_TIMING_ROWS = (1,)  # a drafting model is timed at load by its one-row passes: its steps
+STALE_FACTOR = 1.5  # stored timings whose one-row pass is now off by more than this, either way, are retimed
 EMA = 0.1  # weight of the newest observation in the moving averages
 CALIBRATION_WEIGHT = 2.0  # passes each load-time timing counts as in the cost fit
 FIT_DECAY = 0.98  # per pass run: the weight of older passes in the cost fit
@@ -341,10 +343,12 @@ class DecayedSums:
         return np.array(self.gram).reshape(self.size, self.size), np.array(self.moment)
 
 
-def time_passes(backend: Backend, rows: tuple[int, ...]) -> dict[int, float]:
+def time_passes(
+    backend: Backend, rows: tuple[int, ...], context_length: int = CALIBRATION_CONTEXT
+) -> dict[int, float]:
     """Seconds of a pass of each row count after a short context (a few reps, the median),
     leaving the backend's cache empty."""
-    context = [i % backend.vocab.size for i in range(3, 3 + CALIBRATION_CONTEXT)]
+    context = [i % backend.vocab.size for i in range(3, 3 + context_length)]
     backend.truncate(0)
     backend.evaluate(context, logits_rows=1)
     timings = {}
@@ -542,25 +546,31 @@ class PolicyModels:
         drafts: Mapping[str, Backend] | None = None,
     ) -> PolicyModels:
         """Models whose pass costs are timed on `target` now, or read from an earlier run's timing
-        of the same model on this machine (`specdecode.pass_cache`); `progress` is told which.
-        drafts: the drafting models by strategy name, whose steps (one-row passes) are timed the
-        same way, too briefly to announce. Priced at PRIOR_DRAFT_STEP of a target pass until its
+        of the same model on this machine (`specdecode.pass_cache`) where a one-row pass timed
+        now agrees with it (`_staleness`; else all are timed again and stored); `progress` is
+        told which. drafts: the drafting models by strategy name, whose steps (one-row passes)
+        are timed the same way, too briefly to announce. Priced at PRIOR_DRAFT_STEP of a target pass until its
         calls had run, a model a third of the target's size (on llama.cpp with one thread, a
         step 0.8 of a target row) drafted 16 tokens at its first call, at 0.4x plain's speed."""
         say = progress or (lambda line: None)
         models = cls()
         stored = _stored_timings(target, CALIBRATION_ROWS)
-        if stored is not None:
+        stale = _staleness(stored, time_passes(target, (1,), CHECK_CONTEXT)) if stored is not None else None
+        if stored is not None and stale is None:
             say("reusing the target's pass timings from an earlier run")
             models.costs.calibrated = stored
         else:
-            say("timing the target's passes for the adaptive policy")
+            if stale is None:
+                say("timing the target's passes for the adaptive policy")
+            else:
+                say(f"stored pass timings are {stale:.2g}x the target's one-row pass now: timing again")
             models.costs.calibrate(target)
             _store_timings(target, CALIBRATION_ROWS, models.costs.calibrated)
         for strategy, backend in (drafts or {}).items():
+            now = time_passes(backend, DRAFT_TIMING_ROWS)  # as dear as checking stored steps
             steps = _stored_timings(backend, DRAFT_TIMING_ROWS)
-            if steps is None:
-                steps = time_passes(backend, DRAFT_TIMING_ROWS)
+            if steps is None or _staleness(steps, now) is not None:
+                steps = now
                 _store_timings(backend, DRAFT_TIMING_ROWS, steps)
             if steps:
                 models.costs.draft_calls[strategy] = DraftCalls(steps[1])
@@ -571,6 +581,18 @@ def _stored_timings(backend: Backend, rows: tuple[int, ...]) -> dict[int, float]
     """An earlier run's timings of `rows`-row passes on `backend`'s model, if the cache has them."""
     key = pass_cache.cache_key(backend, rows) if pass_cache.enabled() else None
     return pass_cache.read(key) if key is not None else None
+
+
+def _staleness(stored: dict[int, float], now: dict[int, float]) -> float | None:
+    """How many times the one-row pass timed `now` the stored timing is, where that is off by more
+    than STALE_FACTOR either way; None where it holds. Timings taken on a busy machine read
+    10-13x a one-row pass's later cost on small quantized models, and a run on a busy machine
+    would otherwise price its passes by a quiet one's timings: a few one-row passes, a fraction
+    of the whole timing, tell which."""
+    if 1 not in stored or 1 not in now:
+        return None
+    ratio = stored[1] / now[1]
+    return ratio if max(ratio, 1 / ratio) > STALE_FACTOR else None
 
 
 def _store_timings(backend: Backend, rows: tuple[int, ...], timings: dict[int, float]) -> None:

@@ -46,13 +46,18 @@ in an order rotated each round. For llama.cpp's programs the CPU time is the chi
 (getrusage), its model loading included, and wall-clock time the whole process's; their
 generation-only rate is from their printed timings. Ours run in this process with the models
 loaded once: CPU and wall-clock time of the generation call (prompt included), and the
-generation-only rate from its stats.
+generation-only rate from its stats. The table sums the tasks; a second one gives each
+system's tokens per CPU-second and per second task by task, and --json FILE writes both.
+--also-no-repack adds our plain and default systems on the weights in the file's layout (`-nr`):
+llama.cpp's repacked Q4_K rows are bit-identical only up to a few rows a pass, which caps the
+drafts an exact verify may take.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import json
 import re
 import resource
 import statistics
@@ -60,7 +65,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -73,7 +78,7 @@ from specdecode.bench.machine import Machine, machine_line
 from specdecode.bench.systems import build_systems
 from specdecode.bench.tasks import build_tasks
 from specdecode.chat import ChatPrompt, encode_rendered
-from specdecode.errors import SpecdecodeError, read_text_file
+from specdecode.errors import SpecdecodeError, read_text_file, write_atomically
 from specdecode.strategies import NgramSettings
 
 DEFAULT_TOOLS = Path("build/llama-tools/cmake/bin")
@@ -389,36 +394,83 @@ def tool_figures(system: System, output: str) -> tuple[int, float, int, int]:
     )
 
 
+NO_REPACK = " -nr"  # the name's suffix of our systems run on weights not repacked
+
+
+@dataclass
+class ChatResults:
+    """Per task and system, one Tally per round (sums over the task's prompts) and, per prompt
+    and round, whether the system's text agrees with our plain answer."""
+
+    tallies: dict[str, dict[str, list[Tally]]]
+    agree: dict[str, dict[str, list[bool]]]
+
+    def total(self) -> tuple[dict[str, list[Tally]], dict[str, list[bool]]]:
+        """The same over all tasks: per system, per round the sum over every prompt."""
+        tasks = list(self.tallies.values())
+        tallies = {
+            name: [summed(task[name][round_] for task in tasks) for round_ in range(len(rounds_))]
+            for name, rounds_ in tasks[0].items()
+        }
+        agree = {name: [same for task in self.agree.values() for same in task[name]] for name in tallies}
+        return tallies, agree
+
+
+def summed(tallies: Iterable[Tally]) -> Tally:
+    total = Tally()
+    for t in tallies:
+        total.add(
+            t.tokens,
+            t.seconds,
+            t.drafted,
+            t.accepted,
+            cpu_seconds=t.cpu_seconds,
+            generation_seconds=t.generation_seconds,
+        )
+    return total
+
+
 def measure_chat(
     target_path: Path,
     draft_path: Path,
-    prompts: list[str],
+    prompts: list[tuple[str, str]],
     n_predict: int,
     rounds: int,
     tools: Path,
     chat: ChatPrompt | None = None,
-) -> tuple[dict[str, list[Tally]], dict[str, list[bool]]]:
-    """Every system, ours and llama.cpp's, once per prompt and round (rotated): per system a
-    tally per round, and per system whether its text agrees with our plain answer. chat: the
-    template (and system message) to render with; None: the prompts as they are (a model
-    without a chat template)."""
+    no_repack: bool = False,
+) -> ChatResults:
+    """Every system, ours and llama.cpp's, once per prompt (task, text) and round (rotated).
+    chat: the template (and system message) to render with; None: the prompts as they are (a
+    model without a chat template). no_repack: our systems also run on copies of the models
+    loaded with their weights in the file's layout (`-nr`), named with NO_REPACK."""
     options = LoadOptions(backend="llama.cpp", threads=1, n_ctx=CHAT_CONTEXT)
     target = LlamaCppBackend.load(target_path, options)
     draft = LlamaCppBackend.load(draft_path, options)
     tokenizer = target.tokenizer
-    texts = prompts if chat is None else [chat.text(tokenizer, prompt, target.name) for prompt in prompts]
-    ours = {s.name: s for s in build_systems(OURS_CHAT, target, draft, DRAFT, NgramSettings())}
+    texts = [text if chat is None else chat.text(tokenizer, text, target.name) for _, text in prompts]
+    ours = {
+        s.name: (s, (target, draft)) for s in build_systems(OURS_CHAT, target, draft, DRAFT, NgramSettings())
+    }
+    if no_repack:
+        options = LoadOptions(backend="llama.cpp", threads=1, n_ctx=CHAT_CONTEXT, repack=False)
+        models = (LlamaCppBackend.load(target_path, options), LlamaCppBackend.load(draft_path, options))
+        chosen = OURS_CHAT[:2]  # plain and the default
+        for system in build_systems(chosen, *models, DRAFT, NgramSettings()):
+            ours[system.name + NO_REPACK] = (system, models)
     tools_by_name = {s.name: s for s in chat_tool_systems()}
     names = [*ours, *tools_by_name]
-    tallies: dict[str, list[Tally]] = {name: [Tally() for _ in range(rounds)] for name in names}
-    agree: dict[str, list[bool]] = {}
-    for system in ours.values():  # uncounted: the first call of a process pays one-time costs
+    task_names = list(dict.fromkeys(task for task, _ in prompts))
+    tallies = {task: {name: [Tally() for _ in range(rounds)] for name in names} for task in task_names}
+    agree: dict[str, dict[str, list[bool]]] = {task: {name: [] for name in names} for task in task_names}
+    for system, _ in ours.values():  # uncounted: the first call of a process pays one-time costs
         system.make_pipeline().generate(
             encode_rendered(tokenizer, texts[0]), SamplingParams(temperature=0), GenerationConfig(n_predict)
         )
     with tempfile.TemporaryDirectory() as scratch:
         for round_ in range(rounds):
             for index, text in enumerate(texts):
+                task = prompts[index][0]
                 ids = encode_rendered(tokenizer, text)
                 prompt_file = Path(scratch) / f"prompt-{index}.txt"
                 tool_text = tool_prompt(text, tokenizer.bos_token, target.vocab.add_bos)
@@ -430,10 +482,11 @@ def measure_chat(
                         f"round {round_ + 1}/{rounds}, prompt {index + 1}/{len(texts)}: {name}",
                         file=sys.stderr,
                     )
-                    tally = tallies[name][round_]
+                    tally = tallies[task][name][round_]
                     if name in ours:
-                        pipeline = ours[name].make_pipeline()
-                        for backend in (target, draft):
+                        system, backends = ours[name]
+                        pipeline = system.make_pipeline()
+                        for backend in backends:
                             backend.truncate(0)
                         wall, cpu = time.perf_counter(), time.process_time()
                         run = pipeline.generate(
@@ -470,15 +523,17 @@ def measure_chat(
                         generation_seconds=generation,
                     )
                     answers[name] = COLOUR.sub("", run.output)  # drafted tokens are printed coloured
-                reference = answers["plain"].strip()[:ANSWER_CHARS]
                 for name in names:
+                    # the weights not repacked round otherwise: their plain answer is their reference
+                    plain = "plain" + NO_REPACK if name.endswith(NO_REPACK) else "plain"
+                    reference = answers[plain].strip()[:ANSWER_CHARS]
                     same = (
                         reference in answers[name]
                         if name not in ours
                         else answers[name].strip().startswith(reference)
                     )
-                    agree.setdefault(name, []).append(same)
-    return tallies, agree
+                    agree[task][name].append(same)
+    return ChatResults(tallies, agree)
 
 
 ANSWER_CHARS = 120  # the start of our plain answer another system's text must contain
@@ -488,12 +543,13 @@ def chat_rows(tallies: dict[str, list[Tally]], agree: dict[str, list[bool]]) -> 
     """Per system: medians over rounds of its rates, its totals over all rounds, and its
     generation-only speed-up over its own side's plain system (ours, llama-completion)."""
     rows = []
+    tool_names = {system.name for system in chat_tool_systems()}
     for name, rounds_ in tallies.items():
         median = functools.partial(_median_rate, rounds_)
         rows.append(
             {
                 "system": name,
-                "side": "ours" if name in OURS_CHAT else "llama.cpp",
+                "side": "llama.cpp" if name in tool_names else "ours",
                 "tokens": sum(t.tokens for t in rounds_),
                 "tokens_per_second": median(lambda t: t.tokens / t.seconds if t.seconds else 0.0),
                 "tokens_per_cpu_second": median(lambda t: t.tokens / t.cpu_seconds if t.cpu_seconds else 0.0),
@@ -531,6 +587,19 @@ def print_chat_table(rows: list[dict]) -> None:
             f"{row['tokens_per_cpu_second']:.1f} | {row['generation_tokens_per_second']:.1f} | {speedup} | "
             f"{accepted} | {row['same_as_plain']}/{row['prompts']} |"
         )
+
+
+def print_task_table(rows_by_task: dict[str, list[dict]], total: list[dict]) -> None:
+    """Each system's tokens per CPU-second and per wall-clock second (end to end), task by task
+    and over all tasks: a total can hide a task where a system loses."""
+    columns = [*rows_by_task, "total"]
+    print("\n| system | side | " + " | ".join(f"{c} tok/CPU-s | {c} tok/s" for c in columns) + " |")
+    print("|---|---|" + "---|---|" * len(columns))
+    by_column = [{row["system"]: row for row in rows} for rows in (*rows_by_task.values(), total)]
+    for row in total:
+        figures = [rows[row["system"]] for rows in by_column]
+        cells = [f"{f['tokens_per_cpu_second']:.1f} | {f['tokens_per_second']:.1f}" for f in figures]
+        print(f"| {row['system']} | {row['side']} | " + " | ".join(cells) + " |")
 
 
 def print_table(label: str, results: Results, invariant: bool, systems: tuple[System, ...]) -> None:
@@ -591,13 +660,24 @@ def main() -> None:
     parser.add_argument("--prompts-per-task", type=int, default=1, help="prompts of each task")
     parser.add_argument("--systems", help="comma-separated subset of: " + ", ".join(s.name for s in SYSTEMS))
     parser.add_argument("--tools", type=Path, default=DEFAULT_TOOLS, help="folder of llama.cpp's programs")
+    parser.add_argument(
+        "--also-no-repack",
+        action="store_true",
+        help="--target: also run our plain and default systems on the weights in the file's "
+        f"layout (-nr/--no-repack; named with {NO_REPACK.strip()!r})",
+    )
+    parser.add_argument(
+        "--json", type=Path, help="--target: also write the figures, in total and per task, here"
+    )
     args = parser.parse_args()
     if (args.target is None) != (args.draft is None) or (args.target is None) == (not args.folders):
         parser.error("give export folders, or --target and --draft GGUF files")
+    if args.json is not None and not args.json.parent.is_dir():  # found out before the run, not after
+        parser.error(f"--json: no folder {args.json.parent}")
     if args.target is not None:
         default_tasks = "completion,editing,extraction,free" if args.raw else ",".join(CHAT_TASKS)
         tasks = build_tasks((args.tasks or default_tasks).split(","), args.prompts_per_task)
-        prompts = [prompt for task in tasks for prompt in task.prompts]
+        prompts = [(task.name, prompt) for task in tasks for prompt in task.prompts]
         print(
             f"{len(prompts)} {'' if args.raw else 'chat '}prompts ({', '.join(t.name for t in tasks)}), "
             f"-n {args.n_predict}, greedy, "
@@ -608,11 +688,26 @@ def main() -> None:
         )
         chat = None if args.raw else ChatPrompt(template=template)
         machine = Machine()
-        tallies, agree = measure_chat(
-            args.target, args.draft, prompts, args.n_predict, args.rounds, args.tools, chat
+        results = measure_chat(
+            args.target,
+            args.draft,
+            prompts,
+            args.n_predict,
+            args.rounds,
+            args.tools,
+            chat,
+            args.also_no_repack,
         )
-        print(machine_line(machine.describe({"target": "gguf", "draft": "gguf"}, "cpu")))
-        print_chat_table(chat_rows(tallies, agree))
+        described = machine.describe({"target": "gguf", "draft": "gguf"}, "cpu")
+        print(machine_line(described))
+        total = chat_rows(*results.total())
+        by_task = {task: chat_rows(results.tallies[task], results.agree[task]) for task in results.tallies}
+        print_chat_table(total)
+        print_task_table(by_task, total)
+        if args.json is not None:
+            figures = {"machine": described, "n_predict": args.n_predict, "rounds": args.rounds}
+            text = json.dumps({**figures, "total": total, "tasks": by_task}, indent=1)
+            write_atomically(args.json, "figures file", lambda file: file.write(text.encode()))
         return
     args.tasks = args.tasks or "completion,editing,extraction"
     systems = SYSTEMS
