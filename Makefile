@@ -36,8 +36,8 @@ demo: setup
 # Optional, for the llama.cpp comparisons (see the README); no test needs them. Both build from
 # the llama-cpp-python source release of the installed version, so from the very llama.cpp the
 # backend runs, with the same portable flags, into build/llama-tools:
-#   llama-tools      llama.cpp's own programs (speculative-simple, lookup, completion, bench),
-#                    for python -m specdecode.bench.llama_tools
+#   llama-tools      llama.cpp's own programs (speculative-simple, lookup, completion, bench,
+#                    server), for python -m specdecode.bench.llama_tools and bench-serve
 #   llama-invariant  its libraries without the batched GEMM paths (llamafile's sgemm, repacked
 #                    layouts), whose rows are bit-identical in every pass: run with
 #                    LLAMA_CPP_LIB_PATH=build/llama-tools/invariant/bin. The third such path,
@@ -45,9 +45,9 @@ demo: setup
 #                    switch, which the llama.cpp backend turns off in every build
 #                    (GGML_CPU_TILED_MM=0): no patch needed
 LLAMA_TOOLS := build/llama-tools
-LLAMA_TOOLS_TARGETS := llama-speculative-simple llama-lookup llama-completion llama-bench
+LLAMA_TOOLS_TARGETS := llama-speculative-simple llama-lookup llama-completion llama-bench llama-server
 LLAMA_TOOLS_CMAKE := -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF -DLLAMA_BUILD_TESTS=OFF \
-	-DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_OPENSSL=OFF
+	-DLLAMA_BUILD_APP=OFF -DLLAMA_OPENSSL=OFF
 LLAMA_INVARIANT_CMAKE := -DGGML_LLAMAFILE=OFF -DGGML_CPU_REPACK=OFF
 
 # The source release, fetched once; prints the path of its llama.cpp.
@@ -62,7 +62,7 @@ LLAMA_CPP_SOURCE = version=$$($(BIN)/python -c \
 llama-tools: setup
 	$(LLAMA_CPP_SOURCE) && \
 	cmake -S $$source -B $(LLAMA_TOOLS)/cmake $(LLAMA_TOOLS_CMAKE) -DLLAMA_BUILD_COMMON=ON \
-		-DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_TOOLS=ON && \
+		-DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON && \
 	cmake --build $(LLAMA_TOOLS)/cmake -j2 --target $(LLAMA_TOOLS_TARGETS)
 
 llama-invariant: setup

@@ -24,7 +24,15 @@ from specdecode.backends.native import NativeBackend
 from specdecode.constraints import ConstraintSpec
 from specdecode.errors import SpecdecodeError
 from specdecode.policy import ALONE, CostModel, PassLoad, PolicyModels
-from specdecode.scheduler import BatchEngine, LoadRule, PassRecord, SpeculationGate
+from specdecode.scheduler import (
+    EXPLORE_BUDGET,
+    EXPLORE_MAX,
+    EXPLORE_MIN,
+    BatchEngine,
+    LoadRule,
+    PassRecord,
+    SpeculationGate,
+)
 from specdecode.testing import make_llama, perturbed_copy
 
 GREEDY = SamplingParams(temperature=0)
@@ -404,17 +412,100 @@ def test_the_load_rule_shortens_drafts_as_the_batch_grows():
     assert line(0.01, 0.0).max_draft(64, 0.5, 0.0) is None
 
 
-def test_the_gate_drafts_while_drafting_steps_measure_faster():
-    gate = SpeculationGate()
-    assert gate.choose(8) is True  # drafting is tried first
-    gate.observe(8, True, tokens=20, seconds=0.1)  # 200 tokens/s
-    assert gate.choose(8) is False  # then plain
-    gate.observe(8, False, tokens=8, seconds=0.02)  # 400 tokens/s: plain wins
-    choices = [gate.choose(8) for _ in range(32)]
-    assert choices.count(True) == 2  # drafting tried again once in EXPLORE_EVERY steps only
-    gate.observe(8, True, tokens=600, seconds=0.1)  # drafting became far faster
-    assert gate.choose(8) is True
-    assert gate.choose(16) is True  # another batch size measures on its own
+class FixedCosts(CostModel):
+    """Passes costing `base` + `row` seconds a row, whatever the passes run take: the machine a
+    test stands for (the tiny models' real passes cost a millisecond or so)."""
+
+    def __init__(self, base: float, row: float) -> None:
+        super().__init__()
+        self.base, self.row = base, row
+
+    def pass_time(self, rows: float, sequences: int = 1) -> float:
+        return self.base + self.row * rows
+
+    def observe_pass(self, rows: int, seconds: float, sequences: int = 1, weight: float = 1.0) -> None:
+        """Held fixed."""
+
+
+ROWS_COST_A_TOKEN = (0.01, 1.0)  # a CPU whose cores a batch keeps busy: a verify row ~ a token
+ROWS_NEARLY_FREE = (1.0, 0.001)  # a memory-bound pass (a GPU, a large model)
+DRAFTING = DraftModelConfig(p_min=0.0, n_max=4)
+
+
+def measured_gate(costs: tuple[float, float]) -> SpeculationGate:
+    """A gate that has measured one step each way: 1 ms a sequence besides the pass, 2 ms when
+    it drafted two tokens a sequence."""
+    gate = SpeculationGate(FixedCosts(*costs))
+    assert gate.choose([(0.9, None)] * 8) is True  # drafting is tried first
+    gate.observe(8, True, drafted=16, seconds=0.016)
+    assert gate.choose([(0.9, 2.0)] * 8) is False  # then plain
+    gate.observe(8, False, drafted=0, seconds=0.008)
+    return gate
+
+
+def test_the_gate_steps_plainly_where_a_verify_row_costs_nearly_a_token():
+    gate = measured_gate(ROWS_COST_A_TOKEN)
+    plain, draft = gate.rates([(0.9, 2.0)] * 8)
+    assert draft < plain  # 2.71 tokens for 3 rows a sequence
+    choices = [gate.choose([(0.9, 2.0)] * 8) for _ in range(EXPLORE_MAX)]
+    # Drafting is still tried, the more rarely the more a try loses: the tokens its longer
+    # step falls short by, at most EXPLORE_BUDGET of the tokens (a try more at the end).
+    tries = choices.count(True)
+    assert 1 <= tries <= EXPLORE_MAX // EXPLORE_MIN
+    (plain_tokens, _), (_, draft_seconds) = gate.steps_ahead([(0.9, 2.0)] * 8)
+    lost = (plain - draft) * draft_seconds / plain_tokens  # a step's tokens
+    assert tries * lost <= EXPLORE_BUDGET * EXPLORE_MAX + lost
+    # Only drafts kept every time pay there.
+    assert gate.rates([(1.0, 2.0)] * 8)[1] > plain
+
+
+def test_the_gate_drafts_where_rows_are_nearly_free_and_drafts_are_kept():
+    gate = measured_gate(ROWS_NEARLY_FREE)
+    plain, draft = gate.rates([(0.9, 2.0)] * 8)
+    assert draft > 2 * plain
+    choices = [gate.choose([(0.9, 2.0)] * 8) for _ in range(EXPLORE_MAX)]
+    assert 1 <= choices.count(False) <= EXPLORE_MAX // EXPLORE_MIN  # plain tried now and then
+    # Drafts never kept do not pay even there: each drafted token costs 0.5 ms and a row.
+    assert gate.rates([(0.0, 2.0)] * 8)[1] < plain
+
+
+@pytest.mark.parametrize("costs", ["rows cost a token", "rows nearly free"])
+def test_the_engine_drafts_only_where_it_pays_and_answers_stay_plain(costs, exactness_log):
+    """Under load, a close draft (mostly kept) is run only where the pass costs make it pay:
+    where rows are nearly free, not where a verify row costs nearly a token. Either way each
+    answer is the solo answer."""
+    line = ROWS_COST_A_TOKEN if costs == "rows cost a token" else ROWS_NEARLY_FREE
+    drafter = NativeBackend(perturbed_copy(model("float64"), 0.01), cached_tokenizer())
+    config = GenerationConfig(n_predict=40)
+
+    def make() -> Pipeline:
+        return Pipeline(native("float64"), drafter.fork(), spec_types=["draft"], draft_config=DRAFTING)
+
+    front = make()
+    batch = prompts(8, seed=3)
+    solo = [make().generate(p, GREEDY, config) for p in batch]
+    engine = BatchEngine(LoadRule(FixedCosts(*line)))
+    choices: list[bool] = []
+    choose = engine.gate.choose
+    engine.gate.choose = lambda sequences: choices.append(choose(sequences)) or choices[-1]
+    results = {}
+
+    def done(index, entry):
+        assert entry.error is None
+        results[index] = entry.generation
+
+    engine.run(
+        [front.fork() for _ in range(4)],
+        len(batch),
+        lambda seat, i: seat.stream(batch[i], GREEDY, config),
+        done,
+    )
+    for index, expected in enumerate(solo):
+        assert results[index].tokens == expected.tokens
+        exactness_log.record(f"batch/gate-{costs}", "native", results[index].stats)
+    tries = 1 + len(choices) // EXPLORE_MIN  # the first step each way, then a try now and then
+    assert len(choices) > EXPLORE_MIN
+    assert choices.count(costs == "rows nearly free") >= len(choices) - tries
 
 
 def test_the_adaptive_policy_learns_each_shared_pass_once_at_its_shape():
@@ -431,7 +522,7 @@ def test_the_adaptive_policy_learns_each_shared_pass_once_at_its_shape():
     )
     assert front.load_rule() is None
     records: list[PassRecord] = []
-    engine = BatchEngine(front.load_rule(), on_pass=records.append)
+    engine = BatchEngine(front.load_rule(), on_pass=records.append, costs=front.policy_models.costs)
     batch = prompts(5)
     engine.run(
         [front.fork() for _ in range(3)],

@@ -2,8 +2,8 @@
 
 The fits are chi-square goodness-of-fit tests of empirical token frequencies against the
 exact target distribution p at significance level ALPHA = 0.001: for a correct
-implementation each fit fails by chance with probability 0.001 (13 fits in this file, so at
-most 0.013 for the file). The seeds are fixed, so every run gives the same verdict. Power
+implementation each fit fails by chance with probability 0.001 (15 fits in this file, so at
+most 0.015 for the file). The seeds are fixed, so every run gives the same verdict. Power
 checks go with them: deliberately wrong verifiers (with half the sample size), the draft's
 own distribution and a 20% contamination of p must all be rejected by the same test, which
 shows that a passing fit is evidence and not a formality.
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -194,6 +195,54 @@ def test_first_token_matches_target_with_wider_draft_vocab():
     outs = run_trials(chain_rejection, logits, q, TEMP1, 6000)
     assert all(all(t < V for t in out) for out in outs)
     assert chi_square_pvalue(position_counts(outs, 0), exact(logits[0], TEMP1)) > ALPHA
+
+
+def first_branches(trials: int, rank: int) -> list[Draft]:
+    """Trees as sampled drafting grows them (each node of the preferred path gets a first child
+    drawn from q and a sibling drawn from q without it, with the renormalized q it came from),
+    cut to one chain as a target that takes no trees verifies it: the first branch (rank 0),
+    or, as a wrong choice, the root's second child (rank 1)."""
+    q = draft_rows()
+    rng = np.random.default_rng(7)
+    drafts = []
+    for _ in range(trials):
+        tokens, parents, rows = [], [], []
+        parent = -1
+        for depth in range(K):
+            first = int(rng.choice(V, p=q[depth].numpy()))
+            rest = q[depth].clone()
+            rest[first] = 0.0
+            rest /= rest.sum()
+            second = int(rng.choice(V, p=rest.numpy()))
+            tokens += [first, second]
+            parents += [parent, parent]
+            rows += [q[depth], rest]
+            parent = len(tokens) - 2
+        tree = Draft(tokens, torch.stack(rows), parents=parents)
+        drafts.append(tree.first_branch() if rank == 0 else tree.subset([1]))
+    return drafts
+
+
+def test_a_sampled_trees_first_branch_verified_as_a_chain_is_lossless(exactness_log):
+    """What a target that scores chains only verifies of a tree (its preferred path): each node
+    its parent's first child, drawn from the full q its row carries, so the chain is a proper
+    draw and rejection sampling keeps p. A second child instead is drawn from q less the first,
+    not from the q it would be verified against: the same fit rejects it."""
+    logits = target_rows()
+
+    def emitted(drafts: list[Draft]) -> list[list[int]]:
+        samplers = [Sampler(SamplingParams(**TEMP1, seed=seed)) for seed in range(len(drafts))]
+        return [
+            verify_rejection(draft, logits[: len(draft.tokens) + 1], sampler, [], NO_EOG).emitted
+            for draft, sampler in zip(drafts, samplers, strict=True)
+        ]
+
+    outs = emitted(first_branches(6000, 0))
+    for position in (0, 1):
+        assert chi_square_pvalue(position_counts(outs, position), exact(logits[position], TEMP1)) > ALPHA
+    exactness_log.record_distribution("a sampled tree's first branch, verified as a chain", len(outs))
+    wrong = emitted([replace(d, probs=draft_rows()[:1]) for d in first_branches(6000, 1)])
+    assert chi_square_pvalue(position_counts(wrong, 0), exact(logits[0], TEMP1)) < ALPHA
 
 
 # --------------------------------------------------------------------------- end to end

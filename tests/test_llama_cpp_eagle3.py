@@ -94,3 +94,22 @@ def test_greedy_eagle3_on_llama_cpp_equals_plain(target_files, tmp_path, exactne
     exactness_log.record(
         "eagle3-llama.cpp/greedy", "trained head", result.stats, result.stats.stop_reason, "q8_0"
     )
+
+
+def test_a_heads_batch_keeps_contexts_of_its_own(target_files, tmp_path, exactness_log):
+    """Forks sharing one context capture no hidden states: a head's target forks one context
+    per sequence, and its batches still answer each prompt as plain generation does."""
+    head = save_head(copy.deepcopy(eagle3_head(layer_ids=LAYERS)), tmp_path / "head", torch.float32)
+    target = target_files["q8_0"]
+    greedy, config = SamplingParams(temperature=0), GenerationConfig(n_predict=16, ignore_eos=True)
+    pipe = Pipeline.load(
+        target, eagle3=head, target_options=OPTIONS, draft_config=DraftModelConfig(n_max=4, p_min=0.0)
+    )
+    assert all(type(seat.target) is LlamaCppBackend for seat in pipe.forks(2))
+    prompts = [list(range(3, 20)), list(range(20, 31))]
+    plain = Pipeline.load(target, target_options=OPTIONS)
+    for prompt, result in zip(prompts, pipe.generate_batch(prompts, greedy, config), strict=True):
+        assert result.tokens == plain.generate(prompt, greedy, config).tokens
+        exactness_log.record(
+            "eagle3-llama.cpp/batch-greedy", "trained head", result.stats, result.stats.stop_reason, "q8_0"
+        )

@@ -234,13 +234,29 @@ class Pipeline:
 
         draft_passes: the rounds of a `BatchEngine` that batch the draft model's passes
         across its sequences (see `specdecode.backends.gather`)."""
-        draft = self.draft.fork() if self.draft is not None else None
+        return self._over(
+            self.target.fork(), self.draft.fork() if self.draft is not None else None, draft_passes
+        )
+
+    def forks(self, count: int, draft_passes: DraftPasses | None = None) -> list[Pipeline]:
+        """`count` forks (see `fork`) for generations that one `BatchEngine` steps together
+        (one thread): where a backend can, its forks share one context and score all of their
+        rows in one pass (`LlamaCppBackend.forks`), the target's unless an EAGLE-3 head reads
+        its hidden states, the draft model's unless it drafts trees."""
+        targets = _forked(self.target, count, shared=self.eagle3 is None)
+        if self.draft is None:
+            return [self._over(target, None, draft_passes) for target in targets]
+        drafts = _forked(self.draft, count, shared=self.draft_config.n_parallel <= 1)
+        return [self._over(t, d, draft_passes) for t, d in zip(targets, drafts, strict=True)]
+
+    def _over(self, target: Backend, draft: Backend | None, draft_passes: DraftPasses | None) -> Pipeline:
+        """A pipeline like this one over these backends (forks of this one's)."""
         eagle3 = self.eagle3
         if draft_passes is not None:
             draft = GatheredBackend(draft, draft_passes) if draft is not None else None
             eagle3 = GatheredHead(eagle3, draft_passes) if eagle3 is not None else None
         return Pipeline(
-            self.target.fork(),
+            target,
             draft,
             spec_types=self.spec_types,
             draft_config=self.draft_config,
@@ -374,12 +390,13 @@ class Pipeline:
                 raise SpecdecodeError(f"{len(prompts)} prompts but {len(samplings)} sampling settings")
         encoded = [self.encode(prompt) for prompt in prompts]
         for ids in encoded:  # every request checked before any work
-            check_room(ids, config.n_predict, self.target.n_ctx)
+            check_room(ids, -1 if config.context_shift else config.n_predict, self.target.n_ctx)
         passes, seats = self._seats(min(max_sequences, len(prompts)))
         engine = BatchEngine(
             self.load_rule() if load_rule else None,
             draft_passes=passes,
             gate=load_rule and bool(self.spec_types),
+            costs=self.policy_models.costs if self.policy_models is not None else None,
         )
         results: list[Result | None] = [None] * len(prompts)
 
@@ -401,7 +418,8 @@ class Pipeline:
             models = self.draft is not None or self.eagle3 is not None
             self._batch = (DraftPasses() if models else None, [])
         passes, seats = self._batch
-        seats.extend(self.fork(passes) for _ in range(count - len(seats)))
+        if count > len(seats):
+            seats.extend(self.forks(count - len(seats), passes))
         return passes, seats[:count]
 
     def load_rule(self) -> LoadRule | None:
@@ -427,6 +445,12 @@ class Pipeline:
                 "with --spec-replace TARGET DRAFT."
             )
         return VocabTranslator(self.target, self.draft, replacements)
+
+
+def _forked(backend: Backend, count: int, shared: bool) -> list[Backend]:
+    """`count` forks of a backend, sharing one context where it can and `shared` allows."""
+    make = getattr(backend, "forks", None) if shared else None
+    return make(count) if make is not None else [backend.fork() for _ in range(count)]
 
 
 def _silent(line: str) -> None:

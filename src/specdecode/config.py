@@ -92,6 +92,9 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     seed: int | None = None
+    # (token id, bias) pairs added to the logits before anything else (OpenAI's logit_bias);
+    # -inf keeps a token out
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         checks = [
@@ -104,6 +107,10 @@ class SamplingParams:
             (math.isfinite(self.presence_penalty), "presence_penalty must be a finite number"),
             (math.isfinite(self.frequency_penalty), "frequency_penalty must be a finite number"),
             (self.seed is None or 0 <= self.seed < 2**64, "seed must be in [0, 2^64)"),
+            (
+                all(id >= 0 and (math.isfinite(bias) or bias == -math.inf) for id, bias in self.logit_bias),
+                "logit_bias takes token ids >= 0 and biases that are numbers or -inf",
+            ),
         ]
         for ok, message in checks:
             if not ok:

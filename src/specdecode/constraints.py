@@ -53,6 +53,7 @@ FEATURE = "constrained generation (a grammar, JSON schema or regex)"
 # are sized with room for the items around the largest rule.
 MAX_ALTERNATIVES = 2000
 ROW_ITEMS = 2 * MAX_ALTERNATIVES
+PROBED_FIRST_TOKENS = 4096  # the most first tokens tried when a grammar is compiled
 
 
 def _engine(module: str = "llguidance") -> ModuleType:
@@ -197,13 +198,33 @@ def compile_constraint(spec: ConstraintSpec, tokenizer: llguidance.LLTokenizer) 
     if error and not error.startswith("WARNING"):
         raise SpecdecodeError(f"{what}: {one_line(error)}")
     matcher = engine.LLMatcher(tokenizer, grammar, log_level=0, limits=_limits())
-    matcher.compute_bitmask()
+    first = matcher.compute_bitmask()
     if matcher.is_error():
         error = matcher.get_error()
         # The engine's word for a start state from which no byte, and no end, can follow.
         empty = "NoExtensionBias" in error
         raise SpecdecodeError(f"{what}: {'no text matches it' if empty else one_line(error)}")
+    error = _first_token_error(matcher, first)
+    if error is not None:
+        raise SpecdecodeError(
+            f"{what}: the grammar engine's limits are exceeded at the first token ({error})"
+        )
     return grammar
+
+
+def _first_token_error(matcher: llguidance.LLMatcher, bitmask: bytes) -> str | None:
+    """The engine's error on any allowed first token, tried one by one and rolled back: a rule
+    with more alternatives than a parser row holds (a JSON schema's large anyOf, a Lark rule,
+    which the GBNF check does not see) fails there, where generation would fail at its first
+    step. Such a rule met later in the output is found only when reached."""
+    allowed = np.flatnonzero(np.unpackbits(np.frombuffer(bitmask, dtype=np.uint8), bitorder="little"))
+    for token in allowed[:PROBED_FIRST_TOKENS].tolist():
+        consumed = matcher.try_consume_tokens([token])
+        if matcher.is_error():
+            return one_line(matcher.get_error().split("<state>")[0])
+        if consumed:
+            matcher.rollback(consumed)
+    return None
 
 
 class Constraint:

@@ -50,12 +50,19 @@ class GenerationConfig:
     `Pipeline.generate` also takes it as max_new_tokens (Hugging Face's name) or max_tokens (vLLM's).
     stop: strings that end the text (cut before them); a single string is one stop string.
     verify: "match" (the tokens plain generation would draw) or "rejection" (rejection sampling).
-    ignore_eos: go on past end-of-generation tokens."""
+    ignore_eos: go on past end-of-generation tokens.
+    context_shift: at a full context, drop n_discard tokens after the first n_keep (-1: the
+    prompt's; a leading BOS is kept besides) and go on, as llama.cpp's --context-shift does
+    (n_discard 0: half of those after n_keep); the kept tokens are scored again where they now
+    stand. Without it a full context ends the generation."""
 
     n_predict: int = 128
     stop: tuple[str, ...] = ()
     verify: str = "match"
     ignore_eos: bool = False
+    context_shift: bool = False
+    n_keep: int = 0
+    n_discard: int = 0
 
     def __post_init__(self) -> None:
         # A string is a sequence of characters: unwrapped, "\n\n" would stop at every "\n".
@@ -69,6 +76,8 @@ class GenerationConfig:
             )
         if self.n_predict == 0 or self.n_predict < -1:
             raise SpecdecodeError("n_predict must be >= 1, or -1 for no limit")
+        if self.n_keep < -1 or self.n_discard < 0:
+            raise SpecdecodeError("n_keep must be >= -1 and n_discard >= 0")
 
 
 @dataclass
@@ -80,6 +89,10 @@ class Chunk:
     n_drafted: int = 0
     n_accepted: int = 0
     strategy: str | None = None
+    # The target's logits rows the tokens were chosen from ([len(tokens), V], a grammar's mask
+    # applied), for a generation that keeps them (`Generation.keep_logits`): what token
+    # probabilities are reported from.
+    logits: torch.Tensor | None = None
 
 
 @dataclass
@@ -103,9 +116,10 @@ class Generation:
     tokens: list[int] = field(default_factory=list)
     stats: GenerationStats = field(default_factory=GenerationStats)
     constraint: Constraint | None = None
+    keep_logits: bool = False  # each Chunk carries its tokens' logits rows
 
     def __post_init__(self) -> None:
-        check_room(self.prompt, self.config.n_predict, self.target.n_ctx)
+        check_room(self.prompt, -1 if self.config.context_shift else self.config.n_predict, self.target.n_ctx)
         self._text = TextAssembler(self.target, self.config.stop)
         self.stats.seed = self.sampler.seed
         self.stats.n_prompt = len(self.prompt)
@@ -118,6 +132,11 @@ class Generation:
     @property
     def text(self) -> str:
         return self._text.text
+
+    @property
+    def prefilled(self) -> int:
+        """Prompt tokens in the target's cache so far."""
+        return self._prefilled or 0
 
     @property
     def prefilling(self) -> bool:
@@ -138,27 +157,49 @@ class Generation:
 
     def prefill_step(self) -> Chunk | None:
         """Evaluate the next chunk (the backend's batch size) of the prompt the cache does not
-        hold yet; after the last one, begin the chain and return the first token's Chunk.
+        hold yet, in a pass of its own; after the last one, begin the chain and return the first
+        token's Chunk.
 
         The chunks are those one `evaluate` call over the uncached prompt makes, so a prompt
         fed a chunk at a time (between other sequences' steps) leaves the very cache that one
         call leaves."""
+        rows = self.prefill_rows()
+        return self.prefill_done(rows, score_alone(rows))
+
+    def prefill_rows(self, limit: int | None = None) -> RowGroup:
+        """The rows of the next prompt chunk, for a pass the caller runs (`prefill_done` then
+        takes their logits). The chunk is the one `prefill_step` scores, or, given a `limit`,
+        at most that many rows of it where that changes no bit (`exact_chunk_rows`): a
+        backend whose rows are not invariant to their pass's size keeps whole chunks."""
         if self._prefilled is None:
             self._start = time.perf_counter()
             self._prefilled = reusable_prompt_prefix(self.target, self.prompt)
             self.target.truncate(self._prefilled)
-        size = getattr(self.target, "n_batch", len(self.prompt))
+        size = solo_chunk_rows(self.target, len(self.prompt))
+        if limit is not None and limit < size and self.exact_prompt_cuts:
+            size = max(1, limit)
         chunk = self.prompt[self._prefilled : self._prefilled + size]
-        self._prefilled += len(chunk)
-        final = self._prefilled == len(self.prompt)
-        logits = self.target.evaluate(chunk, logits_rows=1 if final else 0)
-        if not final:
+        final = self._prefilled + len(chunk) == len(self.prompt)
+        return RowGroup(self.target, chunk, logits_rows=1 if final else 0)
+
+    @property
+    def exact_prompt_cuts(self) -> bool:
+        """Whether the prompt's chunks may be cut below a solo run's, and share passes with
+        other rows, leaving every bit of the cache as the solo run leaves it."""
+        size = solo_chunk_rows(self.target, len(self.prompt))
+        return exact_chunk_rows(self.target, size) >= size
+
+    def prefill_done(self, rows: RowGroup, logits: torch.Tensor) -> Chunk | None:
+        """The chunk `rows` is in the cache (its pass gave `logits`); after the last one, begin
+        the chain and return the first token's Chunk."""
+        self._prefilled = (self._prefilled or 0) + len(rows)
+        if self._prefilled < len(self.prompt):
             return None
         self.chain.begin(self.prompt)
         self.stats.t_prompt = time.perf_counter() - self._start
         self._history = list(self.prompt)
         first = logits[0] if self.constraint is None else self.constraint.mask(logits[0])
-        return self._emit([self.sampler.sample(first, self._history)], Draft(), 0)
+        return self._emit([self.sampler.sample(first, self._history)], Draft(), 0, first[None])
 
     def step(self, max_draft: int | None = None) -> Chunk:
         """One draft -> verify -> accept round in a pass of its own."""
@@ -175,8 +216,10 @@ class Generation:
         plain step), as a batch under load asks; `load`: what else the pass will hold."""
         history, last = self._history, self.tokens[-1]
         if len(history) + 1 > self.target.n_ctx:
-            self.stats.stop_reason = "context"
-            return None
+            if not (self.config.context_shift and self._shift_context()):
+                self.stats.stop_reason = "context"
+                return None
+            history = self._history
         room = self.target.n_ctx - len(history) - 1  # cache entries for draft nodes
         depth = min(room, self._remaining() - 1)  # tokens a step may still accept
         if max_draft is not None:
@@ -187,6 +230,10 @@ class Generation:
             room, depth = min(room, cap), min(depth, cap)
         start = time.perf_counter()
         draft = self.chain.draft(history, last, depth, room, load) if self.chain and depth > 0 else Draft()
+        if not getattr(self.target, "takes_trees", True):
+            # A target that scores chains only verifies a tree's preferred path: each of its
+            # nodes is its parent's first child, drawn from the full q its row carries.
+            draft = draft.first_branch()
         t_draft = time.perf_counter() - start
         self.stats.t_draft += t_draft
         self.target.truncate(len(history))
@@ -217,7 +264,31 @@ class Generation:
             self.chain.accept(draft, n_accepted, t_pass, verdict.emitted, verdict.path, share)
         if draft.tokens:
             self.stats.totals.record(len(draft.tokens), draft.depth, n_accepted)
-        return self._emit(verdict.emitted, draft, n_accepted)
+        # emitted[0] was chosen from row 0 (`last`), each later token from its parent node's row
+        rows = logits[[0, *(node + 1 for node in verdict.path)]] if self.keep_logits else None
+        return self._emit(verdict.emitted, draft, n_accepted, rows)
+
+    def _shift_context(self) -> bool:
+        """llama.cpp's context shift (see `GenerationConfig`): the cache keeps the first n_keep
+        tokens, the tokens after the n_discard dropped are evaluated again after them (no RoPE
+        shift: the cache then holds what a fresh evaluation of the kept tokens gives). False
+        where nothing can be dropped."""
+        history, n_ctx = self._history, self.target.n_ctx
+        n_keep = len(self.prompt) if self.config.n_keep < 0 else self.config.n_keep
+        bos = self.target.vocab.bos_id
+        n_keep = min(n_ctx - 4, n_keep + (bos is not None and self.prompt[0] == bos))
+        n_left = len(history) - n_keep
+        n_discard = min(self.config.n_discard or n_left // 2, n_left - 1)
+        if n_discard < 1:
+            return False
+        tail = history[n_keep + n_discard :]
+        self.target.truncate(n_keep)
+        size = solo_chunk_rows(self.target, len(tail))
+        for at in range(0, len(tail), size):
+            score_alone(RowGroup(self.target, tail[at : at + size], logits_rows=0))
+        self._history = [*history[:n_keep], *tail]
+        self.stats.n_context_shifts += 1
+        return True
 
     def final_chunk(self) -> Chunk:
         """The text held back (an unfinished character, a possible stop string's start), once
@@ -255,8 +326,11 @@ class Generation:
             return verify_rejection(draft, logits, self.sampler, context, eog)
         return verify_match(draft, logits, self.sampler, context, eog)
 
-    def _emit(self, emitted: list[int], draft: Draft, n_accepted: int) -> Chunk:
-        """Append tokens one by one, stopping exactly where plain generation would."""
+    def _emit(
+        self, emitted: list[int], draft: Draft, n_accepted: int, rows: torch.Tensor | None = None
+    ) -> Chunk:
+        """Append tokens one by one, stopping exactly where plain generation would; `rows`: the
+        logits rows the tokens were chosen from (kept when `keep_logits`)."""
         kept: list[int] = []
         text = ""
         for token in emitted:
@@ -270,7 +344,9 @@ class Generation:
             if self.stats.stop_reason:
                 text += self._text.finish()
                 break
-        return Chunk(kept, text, len(draft.tokens), n_accepted, draft.strategy)
+        # a copy: a backend may reuse the buffer its rows are views of in its next pass
+        kept_rows = rows[: len(kept)].clone() if self.keep_logits and rows is not None else None
+        return Chunk(kept, text, len(draft.tokens), n_accepted, draft.strategy, kept_rows)
 
     def _stop_reason(self, token: int) -> str:
         """Why the text ends after token ("" where it goes on). A stop string that the token
@@ -299,6 +375,28 @@ def reusable_prompt_prefix(target: Backend, prompt: Sequence[int]) -> int:
     cached = min(common_prefix(target.tokens, prompt), len(prompt) - 1)
     reusable = getattr(target, "reusable_prefix", None)
     return cached if reusable is None else reusable(cached)
+
+
+def solo_chunk_rows(target: Backend, prompt_length: int) -> int:
+    """The rows of each prompt chunk of a solo run: the backend's batch size."""
+    return getattr(target, "n_batch", prompt_length)
+
+
+def exact_chunk_rows(target: Backend, solo: int) -> int:
+    """Up to how many rows a prompt chunk gets a solo run's bits in a pass of any size and
+    company (0: none; a solo run's chunks have `solo` rows). The native backend's rows are
+    invariant in passes of up to `max_pass_rows`; llama.cpp's in the passes its probe vouches
+    for (`vouched_rows`), or in any where exactness was given up. A solo chunk longer than that
+    limit was scored in a pass whose rows are not invariant: only that very pass reproduces it,
+    so such prompts keep whole chunks, as do backends that promise nothing (transformers')."""
+    if getattr(target, "row_invariant", False):
+        limit = int(target.max_pass_rows)  # type: ignore[attr-defined]
+    elif hasattr(target, "vouched_rows"):
+        vouched = target.vouched_rows  # type: ignore[attr-defined]
+        limit = solo if vouched is None else int(vouched)
+    else:
+        return 0
+    return limit if solo <= limit else 0
 
 
 def check_room(prompt: Sequence[int], n_predict: int, n_ctx: int) -> None:

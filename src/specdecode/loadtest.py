@@ -5,13 +5,21 @@ Each client sends non-streaming /v1/completions requests back to back until the 
 error count, speculation counters and the server's resident memory before and after, all
 read from the server itself (/metrics). Only the standard library: it runs wherever the
 package does. Any error makes the command fail (exit status 2) after the report.
+
+With --long-prompt N it measures fairness instead: the clients stream one long answer each
+(llama-server's /completion), and once every stream is running, one request with a prompt of N
+tokens arrives. A server that evaluates that prompt in passes of its own stalls the streams
+meanwhile; the report gives each stream's largest gap between chunks while the prompt was in,
+in seconds and in decode steps (the streams' median gap before it arrived).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
+import statistics
 import threading
 import time
 import urllib.error
@@ -63,6 +71,13 @@ def add_loadtest_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
     parser.add_argument("--max-tokens", type=int, default=32, help="max_tokens of each request")
     parser.add_argument("--temperature", type=float, default=0.0, help="temperature of each request")
     parser.add_argument("--prompt", action="append", help="a prompt (repeatable; default: 4 code prompts)")
+    parser.add_argument(
+        "--long-prompt",
+        type=int,
+        metavar="TOKENS",
+        help="stream --max-tokens tokens per client and, once all stream, send one prompt of TOKENS "
+        "tokens: print the streams' largest gaps while it is evaluated",
+    )
     parser.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
     parser.add_argument(
         "--timeout", type=float, default=300.0, help="seconds before a request counts as failed"
@@ -78,6 +93,11 @@ def run(args: argparse.Namespace) -> None:
     headers = {"Content-Type": "application/json"}
     if args.api_key:
         headers["Authorization"] = f"Bearer {args.api_key}"
+    if args.long_prompt is not None:
+        if args.long_prompt < 1:
+            raise SpecdecodeError("--long-prompt must be >= 1")
+        print(gap_report(measure_gaps(url, headers, args)))
+        return
     before = read_metrics(url, headers)
     prompts = args.prompt or list(DEFAULT_PROMPTS)
     tally = Tally()
@@ -188,4 +208,99 @@ def report(
             f"server    resident memory {before[memory] / MIB:.1f} MiB before, "
             f"{after[memory] / MIB:.1f} MiB after ({change:+.1f} MiB)"
         )
+    return "\n".join(lines)
+
+
+WARM_CHUNKS = 32  # chunks every stream receives before the long prompt is sent
+LONG_PROMPT_TEXT = "def add(x, y):\n    return x + y\n\n"
+
+
+@dataclass
+class Gaps:
+    """Arrival times of every stream's chunks, and when the long prompt was sent and answered."""
+
+    arrivals: list[list[float]]
+    sent: float
+    answered: float
+    prompt_tokens: int
+
+    def decode_step(self) -> float:
+        """One decode step: the streams' median of their mean gap between chunks before the
+        long prompt was sent (a mean, since chunks that a busy server sends together arrive
+        together: their gaps of 0 and the longer one after them average out)."""
+        means = []
+        for times in self.arrivals:
+            before = [t for t in times if t <= self.sent]
+            if len(before) > 1:
+                means.append((before[-1] - before[0]) / (len(before) - 1))
+        return statistics.median(means) if means else math.nan
+
+    def largest(self, times: list[float]) -> float:
+        """A stream's largest gap between chunks that overlaps the long prompt's evaluation."""
+        gaps = [
+            later - earlier
+            for earlier, later in itertools.pairwise(times)
+            if later > self.sent and earlier < self.answered
+        ]
+        return max(gaps, default=0.0)
+
+
+def measure_gaps(url: str, headers: dict[str, str], args: argparse.Namespace) -> Gaps:
+    """Streams from every client, then one prompt of args.long_prompt tokens (see the module
+    docstring)."""
+    text = args.prompt[0] if args.prompt else LONG_PROMPT_TEXT
+    unit = _post(f"{url}/tokenize", {"content": text}, headers, args.timeout)["tokens"]
+    if not unit:
+        raise SpecdecodeError(f"the prompt {text!r} has no tokens")
+    long_ids = (unit * (args.long_prompt // len(unit) + 1))[: args.long_prompt]
+    arrivals: list[list[float]] = [[] for _ in range(args.clients)]
+    errors: list[str] = []
+
+    def stream(index: int) -> None:
+        body = {
+            "prompt": DEFAULT_PROMPTS[index % len(DEFAULT_PROMPTS)],
+            "n_predict": args.max_tokens,
+            "temperature": args.temperature,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        data = json.dumps(body).encode()
+        request = urllib.request.Request(f"{url}/completion", data, headers, method="POST")
+        try:
+            with urllib.request.urlopen(request, timeout=args.timeout) as response:
+                for line in response:
+                    if line.startswith(b"data: ") and json.loads(line[6:]).get("tokens"):
+                        arrivals[index].append(time.perf_counter())
+        except (OSError, ValueError) as exc:
+            errors.append(_describe(exc))
+
+    with ThreadPoolExecutor(args.clients) as pool:
+        futures = [pool.submit(stream, index) for index in range(args.clients)]
+        while min(len(times) for times in arrivals) < WARM_CHUNKS and not all(f.done() for f in futures):
+            time.sleep(0.01)
+        sent = time.perf_counter()
+        body = {"prompt": long_ids, "n_predict": 1, "temperature": 0, "cache_prompt": False}
+        reply = _post(f"{url}/completion", body, headers, args.timeout)
+        answered = time.perf_counter()
+    if errors:
+        raise SpecdecodeError(f"{len(errors)} streams failed; the first: {errors[0]}")
+    if any(not times or times[-1] < answered for times in arrivals):
+        raise SpecdecodeError(
+            "a stream ended before the long prompt was answered: raise --max-tokens, and leave the "
+            "prompt a free slot (--clients below the server's --parallel)"
+        )
+    return Gaps(arrivals, sent, answered, int(reply.get("tokens_evaluated", len(long_ids))))
+
+
+def gap_report(gaps: Gaps) -> str:
+    step = gaps.decode_step()
+    lines = [
+        f"long prompt  {gaps.prompt_tokens} tokens answered in {gaps.answered - gaps.sent:.2f} s "
+        f"beside {len(gaps.arrivals)} streams; decode step (median gap before it) {1000 * step:.1f} ms"
+    ]
+    for index, times in enumerate(gaps.arrivals):
+        largest = gaps.largest(times)
+        lines.append(f"stream {index}     largest gap {largest:.3f} s = {largest / step:.1f} decode steps")
+    worst = max(gaps.largest(times) for times in gaps.arrivals)
+    lines.append(f"worst        {worst:.3f} s = {worst / step:.1f} decode steps")
     return "\n".join(lines)

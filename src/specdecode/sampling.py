@@ -1,6 +1,6 @@
 """One sampler for plain and speculative generation alike.
 
-The transform follows llama.cpp's default chain: penalties -> top-k -> top-p -> min-p ->
+The transform follows llama.cpp's default chain: logit bias -> penalties -> top-k -> top-p -> min-p ->
 temperature -> draw. It is a pure function of (logits, history); the only state a
 `Sampler` holds is its random generator, and it takes exactly one uniform draw per token
 it samples. That is what lets `match` verification reproduce plain generation token for
@@ -16,6 +16,18 @@ import numpy as np
 import torch
 
 from specdecode.config import SamplingParams
+
+
+def apply_bias(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The logits with `params.logit_bias` added, first in the chain as in llama.cpp's; ids past
+    the row (a draft's smaller vocabulary) are skipped. logits: [V]; `logits` itself without a bias."""
+    vocab = logits.shape[-1]
+    pairs = [(token, bias) for token, bias in params.logit_bias if token < vocab]
+    if not pairs:
+        return logits
+    ids = torch.tensor([token for token, _ in pairs], dtype=torch.long)
+    biases = torch.tensor([bias for _, bias in pairs], dtype=logits.dtype, device=logits.device)
+    return logits.index_add(0, ids.to(logits.device), biases)
 
 
 def apply_penalties(logits: torch.Tensor, params: SamplingParams, history: Sequence[int]) -> torch.Tensor:
@@ -41,7 +53,7 @@ def greedy_token(logits: torch.Tensor, params: SamplingParams, history: Sequence
     """Argmax after penalties (ties go to the lowest id, in numpy as in PyTorch). numpy's on a
     CPU row of float32 or float64 (a tenth of PyTorch's time on a vocabulary-long row, paid for
     every token), PyTorch's elsewhere."""
-    scores = apply_penalties(logits, params, history)
+    scores = apply_penalties(apply_bias(logits, params), params, history)
     if scores.device.type == "cpu" and scores.dtype in (torch.float32, torch.float64):
         return int(scores.detach().numpy().argmax())
     return int(torch.argmax(scores))
@@ -67,7 +79,7 @@ def candidates(
     vocab = logits.shape[0]
     if params.greedy:
         return torch.tensor([greedy_token(logits, params, history)]), torch.ones(1, dtype=torch.float64)
-    x = apply_penalties(logits, params, history).to(torch.float64)
+    x = apply_penalties(apply_bias(logits, params), params, history).to(torch.float64)
     k = params.top_k if 0 < params.top_k < vocab else vocab
     values, ids = torch.topk(x, k)  # sorted, descending
     keep = k

@@ -4,23 +4,26 @@ Each generation keeps everything of its own: its fork of the pipeline (KV caches
 of strategies, its sampler and its stop rules. A step of the `BatchEngine` does, for all of
 them at once, what `Generation.step` does for one:
 
-1. sequences that were cancelled leave; at most one prompt chunk of a newly joined sequence
-   is evaluated (prompts enter a chunk per step, so a long prompt does not stall the others);
+1. sequences that were cancelled leave;
 2. every decoding sequence drafts with its own chain (`Generation.plan`): the more rows share
    a pass, the dearer a draft token, so drafts shorten, and vanish, as the batch grows. The
    adaptive policy prices rows so by itself (`specdecode.policy`, told what else each pass
    holds, a `PassLoad`, and after it its share, a `PassShare`); classic chains are capped by
-   the `LoadRule`. For both, the `SpeculationGate` lets a batch draft only while drafting
-   steps measure faster than plain ones;
-3. one target pass scores every sequence's rows (`evaluate_groups`);
+   the `LoadRule`. For both, the `SpeculationGate` lets a batch draft only in steps where
+   drafting is expected to emit more tokens per second than a plain step, by the measured
+   costs of passes of several sequences and the sequences' acceptance;
+3. one target pass scores every sequence's rows (`evaluate_groups`), and prompt chunks of
+   newly joined sequences fill what the step's budget of rows leaves (see `BatchEngine.step`):
+   a running stream waits about two decode passes a step, whatever prompt arrives;
 4. each sequence verifies, accepts and rolls back on its own (`Generation.finish`) and hands
    its chunk to its consumer; finished sequences leave, and new ones may join before the
    next step.
 
 Nothing a sequence emits depends on the others: its rows get the bits they would get in a
 pass of their own wherever the backend is row-invariant (the native backend, up to
-`max_pass_rows` rows a pass), and its draws come from its own sampler. So a greedy or seeded
-`match` answer equals the answer the same request gets alone.
+`max_pass_rows` rows a pass), its prompt's chunks are cut below a solo run's only where that
+changes no bit (`Generation.prefill_rows`), and its draws come from its own sampler. So a
+greedy or seeded `match` answer equals the answer the same request gets alone.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from functools import partial
 from typing import TypeVar
 
 from specdecode.backends import Backend
-from specdecode.backends.batch import evaluate_each
+from specdecode.backends.batch import RowGroup, SharedPasses, evaluate_each, score_alone
 from specdecode.backends.gather import DraftPasses, outcome
 from specdecode.generate import Chunk, Generation, StepPlan
 from specdecode.policy import CostModel, PassLoad, PassShare
@@ -46,8 +49,14 @@ ACCEPTANCE_WEIGHT = 4.0  # pseudo-observations behind a prior
 ACCEPTANCE_DECAY = 0.95  # older steps weigh less: the text changes
 PROBE_EVERY = 8  # a sequence kept from drafting this many steps may draft one token again
 DRAFT_COST_EMA = 0.2  # weight of the newest step in the drafting cost's moving average
-EXPLORE_EVERY = 16  # one step in this many tries the way the gate did not choose
-GATE_EMA = 0.2  # weight of the newest step in the gate's throughput averages
+GATE_EMA = 0.2  # weight of the newest step in the gate's measured seconds and draft lengths
+EXPLORE_MIN = 16  # the gate tries the way it did not choose after this many steps at the soonest,
+EXPLORE_MAX = 512  # ... and at the latest,
+EXPLORE_BUDGET = 0.01  # ... waiting long enough that trying it loses at most this share of the tokens
+PREFILL_PASSES = 2.0  # a step with prompt rows may take this many decode passes' seconds
+PREFILL_FLOOR = 16  # prompt rows a step takes whatever its budget, so that prompts progress
+PREFILL_MAX_ROWS = 1 << 16  # the budget's bound where prompts run in passes of their own
+PREFILL_EMA = 0.3  # weight of the newest chunk in a prompt row's measured seconds
 
 logger = logging.getLogger(__name__)
 Seat = TypeVar("Seat")  # what a generation runs on (a fork of a pipeline)
@@ -65,6 +74,7 @@ class Entry:
     counts: list[float] = field(default_factory=lambda: [0.0, 0.0])
     steps_without_draft: int = 0
     rows: int = 1  # rows it put in the last pass (1 before any: a plain step's)
+    length: float | None = None  # moving average of its drafts' tokens in steps allowed to draft
 
     @property
     def done(self) -> bool:
@@ -77,12 +87,27 @@ class Entry:
         return (kept + ACCEPTANCE_WEIGHT * prior) / (tried + ACCEPTANCE_WEIGHT)
 
     def observe(self, n_drafted: int, n_accepted: int) -> None:
-        """A verified chain: tokens 1..n_accepted were kept, the next one (if any) was not."""
+        """A verified chain of a step allowed to draft: tokens 1..n_accepted were kept, the
+        next one (if any) was not."""
+        self.length = moved(self.length, n_drafted, GATE_EMA)
         if n_drafted == 0:
             self.steps_without_draft += 1
             return
         self.steps_without_draft = 0
         self.counts = decayed(self.counts, n_drafted, n_accepted)
+
+
+def moved(average: float | None, value: float, weight: float) -> float:
+    """A moving average after one more value (the value itself when there was none)."""
+    return value if average is None else average + weight * (value - average)
+
+
+def expected_step_tokens(acceptance: float, length: float) -> float:
+    """Tokens a step emits whose draft of `length` tokens (a mean: it may be fractional) has each
+    token kept with probability `acceptance` given its parent: 1 + a + a^2 + ... + a^length."""
+    if acceptance >= 1.0:
+        return 1.0 + length
+    return 1.0 + acceptance * (1.0 - acceptance**length) / (1.0 - acceptance)
 
 
 def decayed(counts: list[float], n_drafted: int, n_accepted: int) -> list[float]:
@@ -132,38 +157,84 @@ class LoadRule:
 
 
 class SpeculationGate:
-    """Whether a batch drafts at all this step, from the throughput its steps measured.
+    """Whether a batch drafts this step: the way expected to emit more tokens per second.
 
-    The load rule prices a draft token from a line of pass costs; what a drafting step really
-    costs also holds the drafting itself, verification and the work per sequence around the
-    pass, which no line of pass times sees (on a CPU where a batch of sequences already keeps
-    the cores busy, a verify row costs nearly what a sequence's token does). So the gate
-    measures, per batch size (by powers of two), a moving average of the tokens per second of
-    decode steps that drafted as the rule allowed and of steps that did not draft; a step
-    drafts when drafting steps have been the faster, and one step in EXPLORE_EVERY tries the
-    other way, so that both averages follow the text and the machine."""
+    A plain step of B sequences emits B tokens in pass(B, B) + B * o seconds. A drafting step
+    in which sequence i drafts k_i tokens, each kept with probability a_i given its parent,
+    emits sum_i (1 + a_i + ... + a_i^k_i) tokens in pass(B + sum k_i, B) + B * o + d * sum k_i
+    seconds. pass(rows, sequences) is the cost model of passes of several sequences, refined
+    from every pass the batch runs; o, what a sequence's step costs besides the pass
+    (planning, verifying, emitting), is measured on plain steps, and d, what a drafted token
+    adds besides its verify row (drafting it, the drafting round's hand-offs, a draft model
+    catching up on what it missed), on drafting steps; a_i and k_i are the sequence's
+    acceptance and draft length when it was last let draft (the batch's while it has not
+    been). So where a verify row costs nearly what a sequence's token does (a CPU whose cores
+    a batch already keeps busy) the batch steps plainly, and where rows are nearly free (a
+    memory-bound pass: a GPU, a large model) and drafts are kept, it drafts.
 
-    def __init__(self) -> None:
-        self.rates: dict[tuple[int, bool], float] = {}  # (bucket, drafted) -> tokens/s
-        self.steps: dict[int, int] = {}
+    The way not chosen is still tried now and then, so that o, d and the acceptances follow
+    the text and the machine: after EXPLORE_MIN steps at the soonest, and the more tokens a
+    step of it is expected to lose (its rate's shortfall over its own, longer or shorter,
+    seconds) the longer the wait, so that trying it costs at most EXPLORE_BUDGET of the
+    tokens, up to EXPLORE_MAX steps. (On a CPU a drafting step can take four plain steps'
+    time: a wait priced by the rates alone spent 5% of the tokens on tries.)"""
 
-    def choose(self, batch: int) -> bool:
-        """Draft in this step of `batch` sequences?"""
-        bucket = batch.bit_length()
-        self.steps[bucket] = step = self.steps.get(bucket, 0) + 1
-        drafting, plain = self.rates.get((bucket, True)), self.rates.get((bucket, False))
-        if drafting is None or plain is None:
-            return drafting is None  # each way once, drafting first
-        better = drafting >= plain
-        return better if step % EXPLORE_EVERY else not better
+    def __init__(self, costs: CostModel) -> None:
+        self.costs = costs
+        self.plain_seconds: float | None = None  # o: a sequence's seconds of a plain step besides the pass
+        self.draft_seconds: float | None = None  # the same of a drafting step
+        self.length: float | None = None  # draft tokens of a sequence's drafting step
+        self.steps = 0
+        self.last = {True: 0, False: 0}  # drafting? -> the step that way last ran
 
-    def observe(self, batch: int, drafted: bool, tokens: int, seconds: float) -> None:
-        if seconds <= 0.0:
-            return
-        key = (batch.bit_length(), drafted)
-        rate = tokens / seconds
-        old = self.rates.get(key)
-        self.rates[key] = rate if old is None else old + GATE_EMA * (rate - old)
+    def choose(self, sequences: Sequence[tuple[float, float | None]]) -> bool:
+        """Draft in this step? sequences: each one's acceptance and draft length (None: it has
+        not drafted yet)."""
+        self.steps += 1
+        if self.draft_seconds is None or self.plain_seconds is None:
+            drafting = self.draft_seconds is None  # each way once, drafting first
+        else:
+            (plain_tokens, plain_seconds), (draft_tokens, draft_seconds) = self.steps_ahead(sequences)
+            plain, draft = plain_tokens / plain_seconds, draft_tokens / draft_seconds
+            best = draft > plain
+            # The tokens a try loses, as a share of a step of the chosen way's.
+            lost = abs(plain - draft) * (plain_seconds if best else draft_seconds)
+            share = lost / (draft_tokens if best else plain_tokens)
+            wait = min(EXPLORE_MAX, max(EXPLORE_MIN, math.ceil(share / EXPLORE_BUDGET)))
+            drafting = best if self.steps - self.last[not best] < wait else not best
+        self.last[drafting] = self.steps
+        return drafting
+
+    def rates(self, sequences: Sequence[tuple[float, float | None]]) -> tuple[float, float]:
+        """Expected tokens per second of a plain step and of a drafting step (once both ways
+        have been measured)."""
+        (plain_tokens, plain_seconds), (draft_tokens, draft_seconds) = self.steps_ahead(sequences)
+        return plain_tokens / plain_seconds, draft_tokens / draft_seconds
+
+    def steps_ahead(
+        self, sequences: Sequence[tuple[float, float | None]]
+    ) -> tuple[tuple[float, float], tuple[float, float]]:
+        """(expected tokens, seconds) of a plain step and of a drafting step."""
+        if self.plain_seconds is None or self.draft_seconds is None:
+            raise ValueError("the gate has not measured both ways yet")
+        batch, usual = len(sequences), self.length or 0.0
+        lengths = [usual if length is None else length for _, length in sequences]
+        drafted = sum(lengths)
+        tokens = sum(expected_step_tokens(a, k) for (a, _), k in zip(sequences, lengths, strict=True))
+        per_token = max(0.0, self.draft_seconds - self.plain_seconds) / usual if usual > 0 else 0.0
+        sunk = batch * self.plain_seconds
+        plain = self.costs.pass_time(batch, batch) + sunk
+        draft = self.costs.pass_time(batch + drafted, batch) + sunk + per_token * drafted
+        return (float(batch), plain), (tokens, draft)
+
+    def observe(self, batch: int, drafting: bool, drafted: int, seconds: float) -> None:
+        """A step of `batch` sequences (drafting: let draft, `drafted` tokens in all) took
+        `seconds` besides its target pass."""
+        if drafting:
+            self.draft_seconds = moved(self.draft_seconds, seconds / batch, GATE_EMA)
+            self.length = moved(self.length, drafted / batch, GATE_EMA)
+        else:
+            self.plain_seconds = moved(self.plain_seconds, seconds / batch, GATE_EMA)
 
 
 @dataclass
@@ -186,14 +257,17 @@ class BatchEngine:
         on_pass: Callable[[PassRecord], None] | None = None,
         draft_passes: DraftPasses | None = None,
         gate: bool | None = None,
+        costs: CostModel | None = None,
     ) -> None:
         """rule: caps classic chains' drafts under load (None: drafts as the chains choose,
         which the adaptive policy does knowing the batch).
         gate: whether a `SpeculationGate` decides each step if the batch drafts at all (None:
-        with the rule). The adaptive policy's costs are of passes and draft calls; a drafting
-        round in a batch also pays hand-offs between the sequences' threads and the stall
-        while one sequence catches its draft model up or probes it, which only measuring
-        steps sees.
+        with the rule). The adaptive policy prices each sequence's rows, not what the batch's
+        drafting step costs besides the pass: the hand-offs between the sequences' threads,
+        and the stall while one sequence catches its draft model up or probes it.
+        costs: the target's pass costs the gate decides by, where something else learns them
+        from every pass (the adaptive policy's models, each sequence reporting its share);
+        None: the rule's, or a model of the engine's own, which the engine feeds every pass.
         draft_passes: the rounds that batch the sequences' drafting models, when their
         pipelines were forked with it (`Pipeline.fork(draft_passes=...)`); None: each
         sequence drafts in turn."""
@@ -203,7 +277,12 @@ class BatchEngine:
         self.entries: list[Entry] = []
         self.draft_token_seconds = 0.0  # moving average: drafting time per drafted token
         self.counts = [0.0, 0.0]  # [kept, tried] draft tokens of every sequence, decayed
-        self.gate = SpeculationGate() if (rule is not None if gate is None else gate) else None
+        gated = rule is not None if gate is None else gate
+        self.costs = costs if costs is not None else rule.costs if rule is not None else CostModel()
+        self._feeds = costs is None  # the engine teaches self.costs (the prompt budget reads them)
+        self.gate = SpeculationGate(self.costs) if gated else None
+        self._riding: list[tuple[Entry, RowGroup]] = []  # prompt chunks for the next decode pass
+        self._prompt_row_seconds: float | None = None  # what a prompt row adds to a pass, lately
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -241,34 +320,143 @@ class BatchEngine:
 
     def step(self) -> list[Entry]:
         """One step of every sequence; returns the entries that left (finished, failed or
-        cancelled), already closed."""
-        self._prefill_one()
+        cancelled), already closed.
+
+        A step has a budget of rows: the decoding sequences' rows first (as many as in their
+        last pass), then prompt chunks of the sequences still prefilling, oldest first, fill
+        what the budget leaves: as many rows as keep the step within PREFILL_PASSES decode
+        passes by the measured pass costs, at least PREFILL_FLOOR. Where the backend shares
+        passes the chunks ride in the decode pass (within its `max_pass_rows`); elsewhere the
+        oldest prompt's chunk runs in a pass of its own after it. A chunk shrinks, and shares a
+        pass, only where that changes no bit of the prompt's cache (`Generation.prefill_rows`);
+        where it cannot, the oldest prompt's whole chunk goes in all the same, in a pass of its
+        own as long as a solo run's.
+        With nothing decoding, the oldest prompt's chunk is a solo run's."""
         decoding = [e for e in self.entries if not e.done and not e.generation.prefilling]
+        prompts = [e for e in self.entries if not e.done and e.generation.prefilling]
         if decoding:
+            room = self._shared_room(decoding)
+            budget = self._prefill_budget(sum(e.rows for e in decoding), len(decoding), room)
+            chunks = self._prompt_chunks(prompts if room is not None else prompts[:1], budget)
+            # Chunks that fit the decode pass's room ride in it; a whole chunk (one that cannot
+            # be cut exactly) runs in a pass of its own, as in a solo run.
+            alone: list[tuple[Entry, RowGroup]] = []
+            for entry, group in chunks:
+                fits = len(group) <= (room or 0) - sum(len(g) for _, g in self._riding)
+                rides = fits and entry.generation.exact_prompt_cuts
+                (self._riding if rides else alone).append((entry, group))
             self._decode(decoding)
+            # the whole chunks, and those a decode pass did not take (none ran: no plan)
+            self._prefill_alone(self._riding + alone)
+            self._riding = []
+        elif prompts:
+            self._prefill_alone(self._prompt_chunks(prompts[:1], None))
         left = [e for e in self.entries if e.done]
         for entry in left:
             entry.generation.close()
         self.entries = [e for e in self.entries if not e.done]
         return left
 
-    def _prefill_one(self) -> None:
-        """The next prompt chunk of the sequence that joined first among those prefilling."""
-        for entry in self.entries:
-            if not entry.done and entry.generation.prefilling:
-                self._guarded(entry, lambda e=entry: self._deliver(e, e.generation.prefill_step()))
-                return
+    @staticmethod
+    def _shared_room(decoding: list[Entry]) -> int | None:
+        """Rows a decode pass of these sequences (as many rows as in their last one) still
+        takes for prompt chunks; None where the backend runs each sequence in a pass of its
+        own, so that prompt chunks do too."""
+        backends = [entry.generation.target for entry in decoding]
+        first = backends[0]
+        if not all(isinstance(b, SharedPasses) and b.pass_key == first.pass_key for b in backends):
+            return None
+        return max(0, first.max_pass_rows - sum(entry.rows for entry in decoding))
+
+    def _prefill_budget(self, rows: int, sequences: int, room: int | None) -> int:
+        """Prompt rows a step whose decode pass holds `rows` rows of `sequences` sequences may
+        add: as many as cost PREFILL_PASSES - 1 such passes, at the seconds a prompt row has
+        measured (`_observe_prompt_rows`), within the `room` the pass has left where the
+        prompt rides in it (None: it runs in a pass of its own). At least PREFILL_FLOOR."""
+        decode = self.costs.pass_time(rows, sequences)
+        row = self._prompt_row_seconds
+        if row is None:  # before any prompt row was measured: the cost model's slope
+            extra = PREFILL_FLOOR
+            with_rows = (
+                self.costs.pass_time(rows + extra, sequences + 1)
+                if room is not None
+                else decode + self.costs.pass_time(extra, 1)
+            )
+            row = max(0.0, with_rows - decode) / extra
+        allowed = (PREFILL_PASSES - 1) * decode
+        budget = PREFILL_MAX_ROWS if row <= 0.0 else int(allowed / row)
+        return max(PREFILL_FLOOR, min(budget, room if room is not None else PREFILL_MAX_ROWS))
+
+    def _observe_prompt_rows(self, rows: int, seconds: float) -> None:
+        """`rows` prompt rows added `seconds` to their pass. A prompt row's cost grows with its
+        position (it attends to every position before it), which the cost model's line of rows
+        does not see: so it is measured, as a moving average over the chunks run."""
+        if rows <= 0:
+            return
+        seconds = max(0.0, seconds) / rows
+        old = self._prompt_row_seconds
+        self._prompt_row_seconds = seconds if old is None else old + PREFILL_EMA * (seconds - old)
+
+    def _prompt_chunks(self, prompts: list[Entry], budget: int | None) -> list[tuple[Entry, RowGroup]]:
+        """Oldest first, the prompt chunks that `budget` rows hold (None: a solo run's chunk):
+        the oldest's always (a chunk that cannot shrink goes in whole), the others' while rows
+        are left."""
+        chunks: list[tuple[Entry, RowGroup]] = []
+        left = budget
+        for entry in prompts:
+            if chunks and left is not None and left <= 0:
+                break
+            limit = None if left is None else max(1, left)
+            group = self._guarded(entry, partial(entry.generation.prefill_rows, limit))
+            if group is None:
+                continue
+            if chunks and left is not None and len(group) > left:  # a whole chunk waits its turn
+                break
+            chunks.append((entry, group))
+            if left is not None:
+                left -= len(group)
+        return chunks
+
+    def _prefill_alone(self, chunks: list[tuple[Entry, RowGroup]]) -> None:
+        """Each prompt chunk in a pass of its own."""
+        for entry, group in chunks:
+            start = time.perf_counter()
+            scored = self._guarded(entry, partial(score_alone, group))
+            if scored is not None:
+                seconds = time.perf_counter() - start
+                self._observe_prompt_rows(len(group), seconds)
+                if self._feeds:
+                    self.costs.observe_pass(len(group), seconds)
+                self._prefilled([(entry, group)], [scored])
+
+    def _prefilled(self, chunks: list[tuple[Entry, RowGroup]], logits: Sequence) -> None:
+        """Each prompt chunk is in its sequence's cache; a prompt's last one starts its
+        sequence (its first token is emitted)."""
+        for (entry, group), scored in zip(chunks, logits, strict=True):
+            if isinstance(scored, BaseException):
+                entry.error = scored
+                continue
+            done = partial(entry.generation.prefill_done, group, scored)
+            self._deliver(entry, self._guarded(entry, done))
 
     def _decode(self, decoding: list[Entry]) -> None:
+        """A step of the decoding sequences; a sequence alone drafts as its chain chooses, a
+        batch as the gate does."""
         batch = len(decoding)
-        drafting = self.gate is None or batch < 2 or self.gate.choose(batch)
+        gate = self.gate if batch >= 2 else None
+        drafting = True
+        if gate is not None:
+            prior = self._acceptance_prior()
+            drafting = gate.choose([(entry.acceptance(prior), entry.length) for entry in decoding])
         began = time.perf_counter()
-        emitted = self._decode_step(decoding, drafting)
-        if self.gate is not None and batch >= 2:
-            self.gate.observe(batch, drafting, emitted, time.perf_counter() - began)
+        ran = self._decode_step(decoding, drafting)
+        if gate is not None and ran is not None:
+            drafted, t_pass = ran
+            gate.observe(batch, drafting, drafted, time.perf_counter() - began - t_pass)
 
-    def _decode_step(self, decoding: list[Entry], drafting: bool) -> int:
-        """Plan, one shared pass, finish; returns the tokens emitted."""
+    def _decode_step(self, decoding: list[Entry], drafting: bool) -> tuple[int, float] | None:
+        """Plan, one shared pass, finish; returns the tokens drafted and the pass's seconds
+        (None: no pass ran)."""
         plans: list[tuple[Entry, StepPlan]] = []
         planned, t_round = self._plan(decoding, drafting)
         for entry, plan in zip(decoding, planned, strict=True):
@@ -279,21 +467,29 @@ class BatchEngine:
             else:  # the context is full: the generation has stopped
                 self._deliver(entry, entry.generation.final_chunk())
         if not plans:
-            return 0
+            return None
+        riding, self._riding = self._riding, []  # prompt chunks that share the pass
         start = time.perf_counter()
         # One shared pass; if it fails, each plan alone, so a failure is its sequence's own.
-        logits = evaluate_each([plan.rows for _, plan in plans])
+        logits = evaluate_each([plan.rows for _, plan in plans] + [group for _, group in riding])
         seconds = time.perf_counter() - start
+        self._prefilled(riding, logits[len(plans) :])
+        logits = logits[: len(plans)]
         rows = sum(len(plan.rows) for _, plan in plans)
-        if self.rule is not None:
-            self.rule.costs.observe_pass(rows, seconds, len(plans))
+        pass_rows = rows + sum(len(group) for _, group in riding)
+        if self._feeds:
+            self.costs.observe_pass(pass_rows, seconds, len(plans) + len(riding))
+        elif riding:  # each sequence reports its rows' share of the pass; the prompts' is here
+            self.costs.observe_pass(pass_rows, seconds, len(plans) + len(riding), 1.0 - rows / pass_rows)
+        if riding:
+            self._observe_prompt_rows(pass_rows - rows, seconds - self.costs.pass_time(rows, len(plans)))
         if self.on_pass is not None:
-            self.on_pass(PassRecord(len(plans), rows, seconds))
+            self.on_pass(PassRecord(len(plans) + len(riding), pass_rows, seconds))
         # The sequences' drafting overlapped in the round (each waits on the others' turns):
         # each is credited with its part of the round's seconds.
         t_drafting = sum(plan.t_draft for _, plan in plans)
-        share = PassShare(rows, len(plans), min(1.0, t_round / t_drafting) if t_drafting > 0 else 1.0)
-        emitted = 0
+        drafting_share = min(1.0, t_round / t_drafting) if t_drafting > 0 else 1.0
+        share = PassShare(pass_rows, len(plans) + len(riding), drafting_share)
         for (entry, plan), scored in zip(plans, logits, strict=True):
             if isinstance(scored, BaseException):
                 entry.error = scored
@@ -302,14 +498,13 @@ class BatchEngine:
                 entry, lambda e=entry, p=plan, s=scored: e.generation.finish(p, s, seconds, share)
             )
             if chunk is not None:
-                emitted += len(chunk.tokens)
                 entry.rows = len(plan.rows)
                 if drafting:
                     entry.observe(len(plan.draft.tokens), chunk.n_accepted)
                 if plan.draft.tokens:
                     self.counts = decayed(self.counts, len(plan.draft.tokens), chunk.n_accepted)
                 self._deliver(entry, chunk)
-        return emitted
+        return rows - len(plans), seconds
 
     def _plan(self, decoding: list[Entry], drafting: bool) -> tuple[list, float]:
         """Every sequence's StepPlan (None: its context is full; an exception: it failed), in
@@ -338,12 +533,15 @@ class BatchEngine:
         """A sequence alone drafts as its chain chooses (its policy, classic or adaptive)."""
         if self.rule is None or batch < 2:
             return None
-        kept, tried = self.counts
-        prior = (kept + ACCEPTANCE_WEIGHT * ACCEPTANCE_PRIOR) / (tried + ACCEPTANCE_WEIGHT)
-        cap = self.rule.max_draft(batch, entry.acceptance(prior), self.draft_token_seconds)
+        cap = self.rule.max_draft(batch, entry.acceptance(self._acceptance_prior()), self.draft_token_seconds)
         if cap == 0 and entry.steps_without_draft >= PROBE_EVERY:
             return 1  # a sequence never allowed to draft would never show it has become worth it
         return cap
+
+    def _acceptance_prior(self) -> float:
+        """What the batch's sequences have seen: the acceptance of one that has drafted little."""
+        kept, tried = self.counts
+        return (kept + ACCEPTANCE_WEIGHT * ACCEPTANCE_PRIOR) / (tried + ACCEPTANCE_WEIGHT)
 
     @staticmethod
     def _guarded(entry: Entry, work: Callable[[], object]):

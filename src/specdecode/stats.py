@@ -101,6 +101,7 @@ class GenerationStats:
     t_grammar: float = 0.0  # the constraint's matcher (masks, walks, commits), within the above
     n_masks: int = 0  # token masks the constraint computed
     stop_reason: str = ""
+    n_context_shifts: int = 0  # times a full context dropped tokens to go on (context_shift)
     seed: int | None = None
     strategies: list[StrategyStats] = field(default_factory=list)
 

@@ -3,7 +3,8 @@
 The chain, strategies and verification stay ours; a pass is one `llama_decode` of a batch, and
 its logits cross into Python as one view of llama.cpp's output buffer (one bulk copy per pass,
 never one per row). The KV cache is llama.cpp's, addressed by sequence: the committed tokens
-are sequence 0, and rolling back is removing positions from it (`llama_memory_seq_rm`).
+are sequence 0 (in a context of its own), and rolling back is removing positions from it
+(`llama_memory_seq_rm`).
 
 Token trees use sequences the way llama.cpp's own speculative example does. Pending node i has
 sequence i + 1, and a cell belongs to every sequence that may see it: a node is decoded in the
@@ -22,6 +23,10 @@ it in (see `reusable_prefix`).
 
 An EAGLE-3 head reads the target's hidden states: the inputs of the layers it names, which
 llama.cpp captures for every row of a pass (`capture_hidden`), one row per cached position.
+
+Forks for a batch may share one context instead (`LlamaCppBackend.forks`), the committed tokens
+of each being a sequence of its own in a KV stream of its own, so that one `llama_decode`
+scores every sequence's rows, as llama-server decodes its slots (`SharedLlamaCppBackend`).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ import torch
 
 from specdecode import pass_cache
 from specdecode.backends import VocabInfo, check_cache_room
+from specdecode.backends.batch import RowGroup
 from specdecode.backends.hidden import HiddenRows
 from specdecode.backends.options import LoadOptions
 from specdecode.backends.tree import PendingTree, check_tree_room
@@ -220,6 +226,47 @@ class LlamaModel:
             self.pointer = None
 
 
+class LlamaContext:
+    """A llama_context (KV cache and compute buffers) with a batch to fill, freed when the last
+    backend holding it goes.
+
+    sequences, unified: how many sequence ids it takes, and whether they share one KV stream
+    (a backend of its own: the tree nodes' sequences share the prefix's cells) or each has
+    one of n_ctx cells (forks sharing a context: see `LlamaCppBackend.forks`)."""
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        name: str,
+        n_ctx: int,
+        n_batch: int,
+        threads: int | None,
+        sequences: int = MAX_SEQUENCES,
+        unified: bool = True,
+    ) -> None:
+        params = llama_cpp.llama_context_default_params()
+        # With a stream per sequence, llama.cpp splits n_ctx among them.
+        params.n_ctx = n_ctx if unified else n_ctx * sequences
+        params.n_batch = params.n_ubatch = max(n_batch, MAX_SEQUENCES)
+        params.n_seq_max = sequences
+        params.kv_unified = unified
+        if threads:
+            params.n_threads = params.n_threads_batch = threads
+        self.pointer = llama_cpp.llama_init_from_model(model.pointer, params)
+        if not self.pointer:
+            raise SpecdecodeError(f"{name}: llama.cpp could not create a context of {params.n_ctx} tokens")
+        self.memory = llama_cpp.llama_get_memory(self.pointer)
+        self.n_ctx_seq = int(llama_cpp.llama_n_ctx_seq(self.pointer))
+        self.batch_rows = int(params.n_batch)
+        self.batch = llama_cpp.llama_batch_init(self.batch_rows, 0, MAX_SEQUENCES)
+
+    def __del__(self) -> None:
+        if getattr(self, "pointer", None) and llama_cpp is not None:
+            llama_cpp.llama_batch_free(self.batch)
+            llama_cpp.llama_free(self.pointer)
+            self.pointer = None
+
+
 class LlamaCppBackend:
     """A GGUF model on llama.cpp's kernels (see `specdecode.backends.Backend`)."""
 
@@ -235,7 +282,11 @@ class LlamaCppBackend:
         threads: int | None = None,
         name: str = "model",
         exact: bool = True,
+        context: LlamaContext | None = None,
+        sequence: int = 0,
     ) -> None:
+        """context: one shared with other backends over this model, this one's rows being
+        sequence `sequence` of it (see `forks`); None: a context of its own."""
         self.model = model
         self.name = name
         # Whether drafts are kept to the passes whose rows the probe found bit-identical (see
@@ -244,22 +295,15 @@ class LlamaCppBackend:
         self.device = torch.device("cpu")  # where logits arrive (llama.cpp places its layers itself)
         self.n_batch = n_batch
         self.threads = threads
-        trained = llama_cpp.llama_model_n_ctx_train(model.pointer)
-        params = llama_cpp.llama_context_default_params()
-        params.n_ctx = n_ctx if n_ctx > 0 else trained
-        params.n_batch = params.n_ubatch = max(n_batch, MAX_SEQUENCES)
-        params.n_seq_max = MAX_SEQUENCES
-        params.kv_unified = True  # tree sequences share the prefix's cells
-        if threads:
-            params.n_threads = params.n_threads_batch = threads
-        self._context = llama_cpp.llama_init_from_model(model.pointer, params)
-        if not self._context:
-            raise SpecdecodeError(f"{name}: llama.cpp could not create a context of {params.n_ctx} tokens")
-        self._memory = llama_cpp.llama_get_memory(self._context)
-        self.n_ctx = int(llama_cpp.llama_n_ctx(self._context))
+        if context is None:
+            trained = llama_cpp.llama_model_n_ctx_train(model.pointer)
+            context = LlamaContext(model, name, n_ctx if n_ctx > 0 else trained, n_batch, threads)
+        self._shared = context  # freed with the last backend that holds it
+        self._sequence = sequence  # this backend's sequence id in the context
+        self._context, self._memory, self._batch = context.pointer, context.memory, context.batch
+        self._batch_rows = context.batch_rows
+        self.n_ctx = context.n_ctx_seq
         self._size = int(llama_cpp.llama_vocab_n_tokens(model.vocab))
-        self._batch_rows = int(params.n_batch)
-        self._batch = llama_cpp.llama_batch_init(self._batch_rows, 0, MAX_SEQUENCES)
         self._tokens: list[int] = []  # ids of the cached positions, then the owed ones
         self._owed: list[int] = []  # committed tree tokens not in the cache yet (see commit)
         self._fresh = 0  # leading cached positions scored in whole chunks, as a fresh prompt's are
@@ -307,6 +351,17 @@ class LlamaCppBackend:
             return None
         return max(1, self.model.invariant_rows)
 
+    @property
+    def vouched_rows(self) -> int | None:
+        """The most rows of a pass whose rows get the bits they get in any other pass, where
+        exactness is asked for: the row cap, or where every probed pass agreed the largest pass
+        the probe tried (rows of far larger passes have differed on files whose probed passes
+        agreed, see the module's docstring); None where speed was asked for over exactness."""
+        if not self.exact:
+            return None
+        cap = self.row_cap
+        return max(PROBE_PASSES) if cap is None else cap
+
     def draft_room(self) -> int | None:
         """The most draft tokens the next verify pass may carry within `row_cap` (None: no
         limit). A committed tree path is owed (see `commit`) and rides in that pass too."""
@@ -350,7 +405,7 @@ class LlamaCppBackend:
         untouched."""
         ids = self.tokenize(PROBE_TEXT)[:PROBE_CONTEXT]
         context, needed = len(ids), len(ids) + sum(PROBE_PASSES)
-        probe = type(self)(
+        probe = LlamaCppBackend(
             self.model, n_ctx=needed, n_batch=self.n_batch, threads=self.threads, name=self.name
         )
         rows = [probe.evaluate(ids)[-1]]
@@ -401,7 +456,7 @@ class LlamaCppBackend:
 
     def fork(self) -> LlamaCppBackend:
         """A backend over the same loaded weights with its own context (KV cache)."""
-        return type(self)(
+        return LlamaCppBackend(
             self.model,
             n_ctx=self.n_ctx,
             n_batch=self.n_batch,
@@ -410,11 +465,27 @@ class LlamaCppBackend:
             exact=self.exact,
         )
 
-    def __del__(self) -> None:
-        if getattr(self, "_context", None) and llama_cpp is not None:
-            llama_cpp.llama_batch_free(self._batch)
-            llama_cpp.llama_free(self._context)
-            self._context = None
+    def forks(self, count: int) -> list[LlamaCppBackend]:
+        """`count` backends over the same weights that share ONE new context, each its own
+        sequence of it, so that a batch scores all of their rows in one `llama_decode`
+        (`SharedLlamaCppBackend`), as llama-server does with its slots. One: a plain fork."""
+        if count < 2:
+            return [self.fork() for _ in range(count)]
+        context = LlamaContext(
+            self.model, self.name, self.n_ctx, self.n_batch, self.threads, sequences=count, unified=False
+        )
+        return [
+            SharedLlamaCppBackend(
+                self.model,
+                n_batch=self.n_batch,
+                threads=self.threads,
+                name=self.name,
+                exact=self.exact,
+                context=context,
+                sequence=sequence,
+            )
+            for sequence in range(count)
+        ]
 
     @property
     def tokens(self) -> list[int]:
@@ -496,7 +567,9 @@ class LlamaCppBackend:
         for start in range(0, len(rows_in), step):
             chunk = rows_in[start : start + step]
             for row, token in enumerate(chunk):
-                self._set_row(row, token, position + start + row, (0,), start + row >= first_wanted)
+                self._set_row(
+                    row, token, position + start + row, (self._sequence,), start + row >= first_wanted
+                )
             outputs = self._decode(len(chunk))
             self._record_hidden(len(chunk))
             if position + start == self._fresh and len(chunk) == self.n_batch:
@@ -517,7 +590,7 @@ class LlamaCppBackend:
         if n >= cached:
             del self._owed[n - cached :]
         else:
-            if not llama_cpp.llama_memory_seq_rm(self._memory, 0, n, -1):
+            if not llama_cpp.llama_memory_seq_rm(self._memory, self._sequence, n, -1):
                 raise SpecdecodeError(f"{self.name}: llama.cpp cannot roll this model's cache back")
             self._owed.clear()
         del self._tokens[n:]
@@ -634,7 +707,7 @@ class LlamaCppBackend:
         """Score the owed path tokens (see `commit`) in a pass of their own, for their rows."""
         owed, position = self._owed, len(self._tokens) - len(self._owed)
         for row, token in enumerate(owed):
-            self._set_row(row, token, position + row, (0,), False)
+            self._set_row(row, token, position + row, (self._sequence,), False)
         self._decode(len(owed))
         self._record_hidden(len(owed))
         self._owed = []
@@ -666,3 +739,85 @@ class LlamaCppBackend:
         view = np.ctypeslib.as_array(pointer, shape=(outputs, self._size))
         # One copy of the whole block: the buffer is overwritten by the next pass.
         return torch.from_numpy(view.copy())
+
+
+class SharedLlamaCppBackend(LlamaCppBackend):
+    """A fork that shares one llama.cpp context with its siblings (see `LlamaCppBackend.forks`),
+    the sequence of its own id: a batch scores every sibling's rows in one `llama_decode`
+    (`SharedPasses`, see `specdecode.backends.batch`).
+
+    Each sequence has a KV stream of its own (the context is not unified): its cells sit
+    exactly where a context of its own puts them, whatever the others cache or roll back, and
+    attention sums over them in the same order. A unified cache would let a rollback of one
+    sequence free cells that another's later positions then take, out of position order. The
+    weight products still round a row by its pass's size: a shared pass holds at most
+    `max_pass_rows` rows, the backend's `row_cap` where exactness is asked for.
+
+    Trees need sequence ids that see the prefix's cells, which another stream's are not (a
+    copy across streams copies a whole stream): these forks take chains only (`takes_trees`),
+    and the generation loop verifies a tree's preferred path. Nor do they capture hidden
+    states (EAGLE-3): a head's target keeps contexts of its own."""
+
+    takes_trees = False
+
+    @property
+    def pass_key(self) -> object:
+        """Siblings share a forward: their rows may share a pass."""
+        return self._shared
+
+    @property
+    def max_pass_rows(self) -> int:
+        """The most rows of a shared pass: those the probe vouches for (`vouched_rows`; 1:
+        every sequence alone), or the batch's where exactness was given up."""
+        vouched = self.vouched_rows
+        return self._batch_rows if vouched is None else min(vouched, self._batch_rows)
+
+    def evaluate_tree(self, ids: Sequence[int], parents: Sequence[int]) -> torch.Tensor:
+        raise SpecdecodeError(
+            f"{self.name}: forks sharing one llama.cpp context score chains only, not token trees"
+        )
+
+    def capture_hidden(self, layer_ids: Sequence[int]) -> None:
+        raise SpecdecodeError(
+            f"{self.name}: forks sharing one llama.cpp context do not capture hidden states "
+            "(an EAGLE-3 head's target forks contexts of its own)"
+        )
+
+    def evaluate_groups(self, groups: Sequence[RowGroup]) -> list[torch.Tensor]:
+        """Every group's chain in one `llama_decode` (see `specdecode.backends.batch`); each
+        group's backend is a sibling of this one. Every group is checked before any cache
+        changes, so a refused pass leaves every sequence as it was."""
+        sequences = set()
+        for group in groups:
+            backend = group.backend
+            assert isinstance(backend, SharedLlamaCppBackend) and backend._shared is self._shared
+            assert backend._sequence not in sequences, "one group per sequence"
+            sequences.add(backend._sequence)
+            if group.parents is not None:
+                backend.evaluate_tree(group.ids, group.parents)  # refused
+            check_cache_room(backend.name, len(backend.tokens), len(group.ids), backend.n_ctx)
+        rows = sum(len(group.backend._owed) + len(group) for group in groups)
+        if rows > self._batch_rows:
+            raise SpecdecodeError(f"{self.name}: {rows} rows exceed the batch size {self._batch_rows}")
+        # llama.cpp splits a pass over streams into parts of consecutive sequence ids, each
+        # taking as many rows of every sequence in it: rows in sequence order split least.
+        order = sorted(range(len(groups)), key=lambda index: groups[index].backend._sequence)
+        row = 0
+        for index in order:
+            group, backend = groups[index], groups[index].backend
+            rows_in = [*backend._owed, *group.ids]
+            first_wanted = len(rows_in) - group.wanted
+            position = len(backend._tokens) - len(backend._owed)
+            for offset, token in enumerate(rows_in):
+                self._set_row(row, token, position + offset, (backend._sequence,), offset >= first_wanted)
+                row += 1
+        logits = self._decode(row)
+        out: list[torch.Tensor] = [torch.empty(0)] * len(groups)
+        start = 0
+        for index in order:
+            group, backend = groups[index], groups[index].backend
+            backend._tokens.extend(group.ids)
+            backend._owed.clear()
+            out[index] = logits[start : start + group.wanted]
+            start += group.wanted
+        return out

@@ -200,29 +200,70 @@ def add_bench_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         help="throughput and p50/p99 latency at several concurrencies: per-request threads vs batching",
         epilog="systems: threads (a thread per request), batched (one target pass a step for every "
         "request),\n  batched:STRATEGIES (batched speculation with that chain, e.g. batched:draft), "
-        "and\n  batched:STRATEGIES@adaptive (the same under the adaptive policy)\n\n"
-        "example:\n  specdecode bench-serve --concurrency 1,4,16 --systems threads,batched,batched:draft",
+        "and\n  batched:STRATEGIES@adaptive (the same under the adaptive policy); separate and\n"
+        "  separate:STRATEGIES: batched over forks with contexts of their own (llama.cpp: a pass per\n"
+        "  sequence instead of one shared pass)\n\n"
+        "--http: `specdecode serve` beside llama-server (`make llama-tools`), both started here on the\n"
+        "  same GGUF files: ours plain and speculative, llama-server plain and with the draft\n\n"
+        "examples:\n  specdecode bench-serve --concurrency 1,4,16 --systems threads,batched,batched:draft\n"
+        "  specdecode bench-serve --http --target T.gguf --draft D.gguf --gap",
     )
     parser.add_argument("-m", "--model", type=Path, help="target directory (default: the bundled target)")
     parser.add_argument(
         "-md", "--model-draft", type=Path, help="draft directory (default: the bundled draft)"
     )
-    parser.add_argument("--systems", default=SERVE_SYSTEMS, help="comma-separated systems (listed below)")
-    parser.add_argument("--concurrency", default="1,2,4,8,16,32", help="client counts")
+    parser.add_argument(
+        "--systems", help="comma-separated systems (listed below; --http: ours,ours-spec,llama,llama-draft)"
+    )
+    parser.add_argument("--concurrency", help="client counts (default: 1,2,4,8,16,32; --http: 1,4,8,16)")
     parser.add_argument("--requests", type=int, default=2, help="requests per client at each concurrency")
     parser.add_argument("-n", "--n-predict", type=int, default=64, help="tokens per request")
-    parser.add_argument("--prompts", type=int, default=16, help="distinct prompts (completion task)")
+    parser.add_argument(
+        "--prompts", type=int, help="distinct prompts, completion task (default: 16; --http: 8)"
+    )
     add_drafting_args(parser, DRAFTING.n_max, DRAFTING.p_min)
-    parser.add_argument("-t", "--threads", type=int, help="CPU threads (default: torch's)")
+    parser.add_argument(
+        "-t", "--threads", type=int, help="CPU threads (default: torch's; --http: 1 a server)"
+    )
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPE_NAMES], help="weights dtype")
     parser.add_argument("--out", type=Path, default=Path("build/bench-serve"), help="results directory")
+    http = parser.add_argument_group("--http: our server beside llama-server")
+    http.add_argument("--http", action="store_true", help="run both servers and compare them over HTTP")
+    http.add_argument("--target", type=Path, help="target GGUF file, loaded by both servers")
+    http.add_argument("--draft", type=Path, help="draft GGUF file (adds the drafting systems)")
+    http.add_argument(
+        "--llama-server",
+        type=Path,
+        default=Path("build/llama-tools/cmake/bin/llama-server"),
+        help="llama-server program",
+    )
+    http.add_argument("--rounds", type=int, default=2, help="rounds at each concurrency, systems interleaved")
+    http.add_argument(
+        "-c",
+        "--ctx-size",
+        type=int,
+        help="context per slot (default: the model's own; --http: 1024; --gap: --gap-tokens + 512)",
+    )
+    http.add_argument(
+        "--gap", action="store_true", help="also: 4 streams' longest pause while a long prompt arrives"
+    )
+    http.add_argument("--gap-tokens", type=int, default=4000, help="the long prompt's tokens")
     parser.set_defaults(handler=run_bench_serve)
 
 
 def run_bench_serve(args: argparse.Namespace) -> None:
+    if args.http:
+        from specdecode.bench import against_llama
+
+        args.threads = 1 if args.threads is None else args.threads
+        against_llama.run(args)
+        return
     from specdecode.bench import serving
 
+    args.systems = args.systems or SERVE_SYSTEMS
+    args.concurrency = args.concurrency or "1,2,4,8,16,32"
+    args.prompts = 16 if args.prompts is None else args.prompts
     serving.run(args)
 
 

@@ -13,6 +13,9 @@ A closed loop of C clients, each sending its next request as soon as its last on
 - `batched:STRATEGIES@adaptive`: the same chain under the adaptive policy, which prices each
   draft at what its rows add to the batch's pass (its models learn across the runs at one
   concurrency, as a server's would across requests).
+- `separate`, `separate:STRATEGIES`: as `batched`, over forks that keep contexts of their
+  own where the backend could share one (llama.cpp: one `llama_decode` per sequence a step
+  instead of one for all, see `LlamaCppBackend.forks`): what sharing a context brings.
 
 For each concurrency, every system runs back to back, so that the ratios printed compare runs
 made minutes apart at most on a machine whose load drifts. Every answer of every system is
@@ -51,6 +54,7 @@ if TYPE_CHECKING:
     from rich.table import Table
 
 GREEDY = SamplingParams(temperature=0)
+BATCHED = ("batched", "separate")  # the systems that run the BatchEngine
 
 
 @dataclass
@@ -90,8 +94,10 @@ class Level:
 def run(args: argparse.Namespace) -> None:
     systems = [name.strip() for name in args.systems.split(",") if name.strip()]
     for name in systems:
-        if name not in ("threads", "batched") and not name.startswith("batched:"):
-            raise SpecdecodeError(f"unknown system {name!r} (threads, batched or batched:STRATEGIES)")
+        if name not in ("threads", *BATCHED) and not name.startswith(tuple(f"{b}:" for b in BATCHED)):
+            raise SpecdecodeError(
+                f"unknown system {name!r} (threads, batched, separate, or either :STRATEGIES)"
+            )
     levels = [int(c) for c in args.concurrency.split(",")]
     if any(c < 1 for c in levels) or args.requests < 1:
         raise SpecdecodeError("concurrencies and --requests must be >= 1")
@@ -99,7 +105,9 @@ def run(args: argparse.Namespace) -> None:
     console = require("rich.console", "specdecode bench-serve").Console()
     require("matplotlib", "specdecode bench-serve")
     model, draft_dir = resolve_models(args.model, args.model_draft)
-    options = LoadOptions(device=args.device, dtype=args.dtype, threads=args.threads)
+    options = LoadOptions(
+        device=args.device, dtype=args.dtype, threads=args.threads, n_ctx=args.ctx_size or 0
+    )
     target = load_backend(model, options)
     draft = load_backend(draft_dir, options) if draft_dir is not None else None
     prompts = [target.tokenize(p) for p in build_tasks(["completion"], args.prompts)[0].prompts]
@@ -163,9 +171,18 @@ def _measure(
         return _threads(name, [pipeline.fork() for _ in range(concurrency)], requests, config)
     models = pipeline.draft is not None or pipeline.eagle3 is not None
     passes = DraftPasses() if models else None
-    seats = [pipeline.fork(passes) for _ in range(concurrency)]
+    if name.startswith("separate"):
+        seats = [pipeline.fork(passes) for _ in range(concurrency)]
+    else:
+        seats = pipeline.forks(concurrency, passes)
     classic = pipeline.spec_types and pipeline.policy_models is None
-    engine = BatchEngine(rule if classic else None, draft_passes=passes, gate=bool(pipeline.spec_types))
+    models = pipeline.policy_models
+    engine = BatchEngine(
+        rule if classic else None,
+        draft_passes=passes,
+        gate=bool(pipeline.spec_types),
+        costs=models.costs if models is not None else None,
+    )
     return _batched(name, engine, seats, requests, config)
 
 

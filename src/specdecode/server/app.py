@@ -14,7 +14,7 @@ import contextlib
 import hashlib
 import json
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import replace
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, TypeVar
@@ -32,7 +32,7 @@ from specdecode.chat import encode
 from specdecode.constraints import compile_constraint, grammar_tokenizer
 from specdecode.errors import SpecdecodeError
 from specdecode.generate import Chunk, Generation, GenerationConfig
-from specdecode.server.chat import chat_prompt_ids, template
+from specdecode.server.chat import chat_prompt_ids, ending, render, template
 from specdecode.server.errors import (
     NOT_SUPPORTED,
     APIError,
@@ -44,6 +44,7 @@ from specdecode.server.errors import (
     validation_error,
 )
 from specdecode.server.formats import (
+    Answer,
     ChatCompletion,
     Reply,
     TextCompletion,
@@ -54,6 +55,17 @@ from specdecode.server.formats import (
 )
 from specdecode.server.guards import LimitBodySize, RequireApiKey
 from specdecode.server.metrics import Metrics
+from specdecode.server.options import (
+    Scorer,
+    choice_jobs,
+    interleaved,
+    live_timings,
+    logprobs_of,
+    only_fields,
+    whole_entries,
+    with_request_options,
+)
+from specdecode.server.prompts import MAX_PROMPTS, merged_choices, mixed_ids, split_prompts
 from specdecode.server.schemas import (
     ChatRequest,
     CompletionRequest,
@@ -65,13 +77,15 @@ from specdecode.server.schemas import (
     TokenizeRequest,
 )
 from specdecode.server.settings import ServerSettings
-from specdecode.server.slots import Closing, Job, Run, SlotPool
+from specdecode.server.slots import Closing, Job, Progress, Run, SlotPool
 from specdecode.server.tokens import Tokenizers, decode, pieces
+from specdecode.stats import GenerationStats
 from specdecode.strategies import DraftModelConfig
 
 CLIENT_CLOSED = 499  # nginx's status for a client that left before the answer
 RANDOM_SEED = 0xFFFFFFFF  # how llama-server shows "a random seed" in its settings
 Body = TypeVar("Body", bound=BaseModel)
+Rendered = TypeVar("Rendered")
 
 try:
     VERSION = version("specdecode")
@@ -89,7 +103,7 @@ class Service:
         self.metrics = Metrics(pipeline.spec_types)
         rule = pipeline.load_rule() if pipeline.spec_types else None
         passes = DraftPasses() if pipeline.draft is not None or pipeline.eagle3 is not None else None
-        forks = [pipeline.fork(passes) for _ in range(settings.parallel)]
+        forks = pipeline.forks(settings.parallel, passes)  # one context for all where the backend can
         self.slots = SlotPool(forks, self.metrics, rule, passes, gate=bool(pipeline.spec_types))
         tokenizer = pipeline.target.tokenizer
         self.tokenizers = Tokenizers(tokenizer, settings.parallel, self.n_ctx)
@@ -105,18 +119,37 @@ class Service:
     async def completions(self, request: Request) -> Response:
         body = await parse_body(request, CompletionRequest)
         self._check(body)
-        prompt = await self._prompt_ids(body.prompt)
-        return await self._openai(body, prompt, TextCompletion(), request)
+        prompts = split_prompts(body.prompt)
+        if len(prompts) != 1:
+            return await self._several(body, prompts, request)
+        return await self._completion_of(body.model_copy(update={"prompt": prompts[0]}), request)
 
     async def chat(self, request: Request) -> Response:
         body = await parse_body(request, ChatRequest)
         self._check(body)
-        self.tokenizers.check_length(sum(len(message.text) for message in body.messages), "messages")
-        try:
-            prompt = await self.tokenizers.run(chat_prompt_ids, body.messages)
-        except jinja2.TemplateError as exc:  # templates raise for conversations they do not take
-            raise APIError(400, f"the chat template refused the messages: {exc}", param="messages") from None
+        prompt = await self._chat_prompt(body, chat_prompt_ids)
         return await self._openai(body, prompt, ChatCompletion(), request)
+
+    async def apply_template(self, request: Request) -> dict:
+        """POST /apply-template (llama-server's): a chat request's prompt, as the chat route
+        renders it."""
+        body = await parse_body(request, ChatRequest)
+        return {"prompt": await self._chat_prompt(body, render)}
+
+    async def _chat_prompt(self, body: ChatRequest, work: Callable[..., Rendered]) -> Rendered:
+        """work(tokenizer, messages, ending) in a tokenizer thread: the rendered prompt or its ids."""
+        self.tokenizers.check_length(sum(len(message.text) for message in body.messages), "messages")
+        end = ending(body)
+        try:
+            return await self.tokenizers.run(work, body.messages, end)
+        except (
+            jinja2.TemplateError,
+            ValueError,
+        ) as exc:  # templates raise for conversations they do not take
+            reason = str(exc).splitlines()[0]  # transformers adds the whole rendered chat
+            raise APIError(
+                400, f"the chat template refused the messages: {reason}", param="messages"
+            ) from None
 
     async def models(self) -> dict:
         model = {
@@ -133,17 +166,35 @@ class Service:
         """POST /completion: llama-server's request and answer."""
         body = await parse_body(request, NativeCompletionRequest)
         self._check(body)
+        prompts = split_prompts(body.prompt)
+        if len(prompts) != 1:
+            return await self._several(body, prompts, request)
+        return await self._native(body.model_copy(update={"prompt": prompts[0]}), request)
+
+    async def _native(self, body: NativeCompletionRequest, request: Request) -> Response:
+        """/completion's answer to one prompt."""
         job = await self._constrained(body, self._job(body, await self._prompt_ids(body.prompt)))
+        job = await with_request_options(self.tokenizers, self.front.target.vocab.size, body, job)
         run = await self._start(job, request)
         if run is None:
             return Response(status_code=CLIENT_CLOSED)
+        scorer = self._scorer(body, job)
         if body.stream:
-            return StreamingResponse(self._native_stream(run), media_type="text/event-stream")
-        generation = await self._finish(run, request)
+            stream = self._native_stream(run, scorer, body.timings_per_token)
+            return StreamingResponse(stream, media_type="text/event-stream")
+        chunks: list[Chunk] = []
+        generation = await self._finish(run, request, chunks)
         if generation is None:
             return Response(status_code=CLIENT_CLOSED)
         tokens = generation.tokens if body.return_tokens else []
-        return JSONResponse(await self._native_whole(run, generation, generation.text, tokens))
+        whole = await self._native_whole(run, generation, generation.text, tokens)
+        if scorer is not None:
+            whole["completion_probabilities"] = scorer.native(
+                await whole_entries(scorer, chunks, generation.text)
+            )
+        if body.response_fields is not None:
+            whole = only_fields(whole, body.response_fields)
+        return JSONResponse(whole)
 
     async def tokenize(self, request: Request) -> dict:
         body = await parse_body(request, TokenizeRequest)
@@ -214,15 +265,48 @@ class Service:
             raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
 
     async def _prompt_ids(self, prompt: Prompt) -> list[int]:
+        """The ids of one prompt: text, ids, or both mixed (see `prompts`)."""
         if not prompt:
             raise APIError(400, "the prompt is empty", param="prompt")
         if isinstance(prompt, str):
             self.tokenizers.check_length(len(prompt), "prompt")
             return await self.tokenizers.run(encode, prompt)
+        if any(isinstance(part, list) for part in prompt):
+            raise APIError(400, "a prompt of text and ids holds no lists", param="prompt")
         size = self.front.target.vocab.size
-        if not all(0 <= token < size for token in prompt):
+        if not all(0 <= part < size for part in prompt if isinstance(part, int)):
             raise APIError(400, f"prompt token ids must be in 0..{size - 1}", param="prompt")
-        return list(prompt)
+        self.tokenizers.check_length(sum(len(part) for part in prompt if isinstance(part, str)), "prompt")
+        return await self.tokenizers.run(mixed_ids, prompt)
+
+    async def _several(
+        self, body: CompletionRequest | NativeCompletionRequest, prompts: list, request: Request
+    ) -> Response:
+        """Several prompts, each run as a request of its own: a list of answers (/completion) or
+        one answer with a choice per prompt (/v1/completions). Every prompt is checked before any
+        runs; streaming them is refused."""
+        if not prompts:
+            raise APIError(400, "the prompt is empty", param="prompt")
+        if body.stream:
+            raise APIError(400, "several prompts cannot be streamed: send one request each", param="prompt")
+        if len(prompts) > MAX_PROMPTS:
+            raise APIError(400, f"at most {MAX_PROMPTS} prompts in one request", param="prompt")
+        for prompt in prompts:
+            self._job(body, await self._prompt_ids(prompt))
+        native = isinstance(body, NativeCompletionRequest)
+        bodies = [body.model_copy(update={"prompt": prompt}) for prompt in prompts]
+        replies = await asyncio.gather(
+            *(self._native(one, request) if native else self._completion_of(one, request) for one in bodies)
+        )
+        for reply in replies:
+            if reply.status_code != 200:
+                return reply
+        answers = [json.loads(reply.body) for reply in replies]
+        return JSONResponse(answers if native else merged_choices(answers))
+
+    async def _completion_of(self, body: CompletionRequest, request: Request) -> Response:
+        """/v1/completions' answer to one prompt."""
+        return await self._openai(body, await self._prompt_ids(body.prompt), TextCompletion(), request)
 
     def _job(self, body: Sampling, prompt: list[int]) -> Job:
         if not prompt:
@@ -239,7 +323,9 @@ class Service:
         try:
             sampling = replace(self.settings.sampling, **body.sampling_overrides())
             ignore_eos = getattr(body, "ignore_eos", False)
-            config = GenerationConfig(n_predict, body.stop_strings, self.settings.verify, ignore_eos)
+            config = GenerationConfig(
+                n_predict, body.stop_strings, self.settings.verify, ignore_eos, **self._shift(body)
+            )
         except SpecdecodeError as exc:
             raise APIError(400, str(exc)) from None
         return Job(prompt, sampling, config, self._draft(body), getattr(body, "cache_prompt", True))
@@ -263,9 +349,23 @@ class Service:
             raise APIError(400, str(exc), param=field) from None
         return replace(job, constraint=spec)
 
+    def _shift(self, body: Sampling) -> dict[str, Any]:
+        """The context shift's settings: the server's --context-shift, /completion's n_keep
+        and n_discard."""
+        if not self.settings.context_shift:
+            return {}
+        return {
+            "context_shift": True,
+            "n_keep": getattr(body, "n_keep", 0),
+            "n_discard": getattr(body, "n_discard", 0),
+        }
+
     def _n_predict(self, requested: int | None, n_prompt: int, field: str) -> int:
-        """The request's token limit, checked; without one, up to the limit or the context's end."""
+        """The request's token limit, checked; without one, up to the limit or the context's end
+        (with --context-shift, past it: the context shifts)."""
         limit, room = self.settings.max_tokens, self.n_ctx - n_prompt
+        if self.settings.context_shift:
+            room = limit
         if requested is None:
             return min(limit, room)
         if not 1 <= requested <= limit:
@@ -316,14 +416,19 @@ class Service:
             raise
         return self.slots.start(slot, job)
 
-    async def _finish(self, run: Run, request: Request) -> Generation | None:
-        """The finished generation, or None when the client left first (the job is stopped)."""
+    async def _finish(
+        self, run: Run, request: Request, chunks: list[Chunk] | None = None
+    ) -> Generation | None:
+        """The finished generation, or None when the client left first (the job is stopped);
+        its chunks are appended to `chunks`, if given."""
         async with contextlib.aclosing(run.events()) as events:
             try:
                 async for event in events:
                     if isinstance(event, Generation):
                         return event
                     assert isinstance(event, Chunk)
+                    if chunks is not None:
+                        chunks.append(event)
                     if await request.is_disconnected():
                         return None
             except Closing:
@@ -334,48 +439,105 @@ class Service:
         self, body: SamplingFields, prompt: list[int], kind: TextCompletion | ChatCompletion, request: Request
     ) -> Response:
         job = await self._constrained(body, self._job(body, prompt))
+        job = await with_request_options(self.tokenizers, self.front.target.vocab.size, body, job)
         reply = Reply(kind, self.settings.model_id, self.fingerprint, body.include_usage)
-        run = await self._start(job, request)
-        if run is None:
-            return Response(status_code=CLIENT_CLOSED)
+        runs: list[Run] = []
+        try:
+            for choice in choice_jobs(job, body.n):  # one generation per choice
+                run = await self._start(choice, request)
+                if run is None:
+                    self._stop(runs)
+                    return Response(status_code=CLIENT_CLOSED)
+                runs.append(run)
+        except BaseException:
+            self._stop(runs)
+            raise
+        scorers = [self._scorer(body, run.job) for run in runs]
         if body.stream:
-            return StreamingResponse(self._openai_stream(run, reply), media_type="text/event-stream")
-        generation = await self._finish(run, request)
-        if generation is None:
-            return Response(status_code=CLIENT_CLOSED)
-        return JSONResponse(reply.whole(generation.text, generation.stats, run.n_cached))
+            stream = self._openai_stream(runs, reply, scorers, body.timings_per_token)
+            return StreamingResponse(stream, media_type="text/event-stream")
+        chunks: list[list[Chunk]] = [[] for _ in runs]
+        try:
+            generations = await asyncio.gather(
+                *(self._finish(run, request, kept) for run, kept in zip(runs, chunks, strict=True))
+            )
+        finally:
+            self._stop(runs)
+        answers = []
+        for generation, kept, scorer in zip(generations, chunks, scorers, strict=True):
+            if generation is None:
+                return Response(status_code=CLIENT_CLOSED)
+            logprobs = None
+            if scorer is not None:
+                entries = await whole_entries(scorer, kept, generation.text)
+                logprobs = logprobs_of(scorer, entries, isinstance(kind, ChatCompletion))
+            answers.append(Answer(generation.text, generation.stats, logprobs))
+        return JSONResponse(reply.whole(answers, runs[0].n_cached))
 
-    async def _openai_stream(self, run: Run, reply: Reply) -> AsyncIterator[str]:
-        """Server-sent events: a role-only opening chunk (chat), a chunk per step with new text,
-        a chunk with finish_reason and timings, the usage chunk if asked, then [DONE]. A cut
-        generation ends with an error event and [DONE]. Cancelled when the client leaves,
-        which stops the job."""
-        opening = reply.opening()
-        if opening is not None:
-            yield sse(opening)
-        async for event in self._events(run):
+    def _stop(self, runs: list[Run]) -> None:
+        """Stop runs whose answer will not be sent (a run already finished ignores it)."""
+        for run in runs:
+            run.stop.set()
+
+    def _scorer(self, body: Sampling, job: Job) -> Scorer | None:
+        # an end-of-generation token that ends the answer adds no text, so it gets no entry
+        ends = frozenset() if job.config.ignore_eos else self.front.target.vocab.eog_ids
+        return Scorer.for_request(self.tokenizers, ends, body, job)
+
+    async def _openai_stream(
+        self, runs: list[Run], reply: Reply, scorers: list[Scorer | None], per_token: bool
+    ) -> AsyncIterator[str]:
+        """Server-sent events: a role-only opening chunk per choice (chat), a chunk per step with
+        new text (and its tokens' logprobs, its timings so far), a chunk per choice with
+        finish_reason and timings, the usage chunk if asked, then [DONE]; the choices' chunks
+        interleave as their steps come, each with its index. A cut generation ends with an
+        error event and [DONE]. Cancelled when the client leaves, which stops the jobs."""
+        chat = isinstance(reply.kind, ChatCompletion)
+        for index in range(len(runs)):
+            opening = reply.opening(index)
+            if opening is not None:
+                yield sse(opening)
+        finished: dict[int, GenerationStats] = {}
+        async for index, event in interleaved([self._events(run) for run in runs]):
+            run, scorer = runs[index], scorers[index]
             if isinstance(event, dict):
                 yield sse(event)
+            elif isinstance(event, Progress):
+                yield sse(reply.progress_chunk(event.body()))
             elif isinstance(event, Generation):
-                yield sse(reply.last_chunk(event.stats, run.n_cached))
-                if reply.include_usage:
-                    yield sse(reply.usage_chunk(event.stats))
-            elif event.text:
-                yield sse(reply.chunk(event.text))
+                finished[index] = event.stats
+                yield sse(reply.last_chunk(event.stats, run.n_cached, index))
+            else:
+                logprobs = None
+                if scorer is not None and (scored := await scorer.add(event)):
+                    logprobs = logprobs_of(scorer, scored, chat)
+                if event.text or logprobs:
+                    chunk = reply.chunk(event.text, index, logprobs)
+                    yield sse({**chunk, "timings": live_timings(run)} if per_token else chunk)
+        if reply.include_usage and len(finished) == len(runs):
+            yield sse(reply.usage_chunk(*(finished[index] for index in range(len(runs)))))
         yield sse("[DONE]")
 
-    async def _native_stream(self, run: Run) -> AsyncIterator[str]:
-        """llama-server's /completion stream: a chunk per step, then the whole answer's fields
-        with stop: true (no [DONE], as llama-server sends none there)."""
+    async def _native_stream(self, run: Run, scorer: Scorer | None, per_token: bool) -> AsyncIterator[str]:
+        """llama-server's /completion stream: a chunk per step (with its tokens' probabilities,
+        its timings so far), then the whole answer's fields with stop: true (no [DONE], as
+        llama-server sends none there)."""
         async for event in self._events(run):
             if isinstance(event, dict):
                 yield sse(event)
+            elif isinstance(event, Progress):
+                yield sse({**native_chunk("", [], run.slot.id), "prompt_progress": event.body()})
             elif isinstance(event, Generation):
                 yield sse(await self._native_whole(run, event, "", []))
             elif event.text or event.tokens:
-                yield sse(native_chunk(event.text, event.tokens, run.slot.id))
+                chunk = native_chunk(event.text, event.tokens, run.slot.id)
+                if scorer is not None:
+                    chunk["completion_probabilities"] = scorer.native(await scorer.add(event))
+                if per_token:
+                    chunk["timings"] = live_timings(run)
+                yield sse(chunk)
 
-    async def _events(self, run: Run) -> AsyncIterator[Chunk | Generation | dict[str, Any]]:
+    async def _events(self, run: Run) -> AsyncIterator[Chunk | Generation | Progress | dict[str, Any]]:
         """A run's events for a stream whose headers are sent: a failure ends it with an error
         event (the details of the server's own failures go to the log)."""
         try:
@@ -428,7 +590,7 @@ class Service:
             "stop": list(job.config.stop) if job is not None else [],
             "max_tokens": n_predict,
             "ignore_eos": job.config.ignore_eos if job is not None else False,
-            "n_probs": 0,
+            "n_probs": (job.n_probs or 0) if job is not None else 0,
             "speculative.n_max": draft.n_max,
             "speculative.n_min": draft.n_min,
             "speculative.p_min": draft.p_min,
@@ -498,6 +660,7 @@ def create_app(pipeline: Pipeline, settings: ServerSettings) -> FastAPI:
         ("/v1/completions", "/completions"): (service.completions, CompletionRequest),
         ("/v1/chat/completions", "/chat/completions"): (service.chat, ChatRequest),
         ("/completion",): (service.completion, NativeCompletionRequest),
+        ("/apply-template",): (service.apply_template, ChatRequest),
         ("/tokenize",): (service.tokenize, TokenizeRequest),
         ("/detokenize",): (service.detokenize, DetokenizeRequest),
     }
@@ -523,7 +686,8 @@ def create_app(pipeline: Pipeline, settings: ServerSettings) -> FastAPI:
             CORSMiddleware,
             allow_origins=list(settings.cors_origins),
             allow_methods=["GET", "POST"],
-            allow_headers=["Authorization", "Content-Type"],
+            allow_headers=["*"],  # the headers a preflight asks for, as llama-server allows any
+            allow_credentials=True,  # the request's Origin is sent back, never "*", as llama-server does
             max_age=600,
         )
     return app

@@ -9,9 +9,12 @@ import json
 import time
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from specdecode.stats import GenerationStats
+
+Logprobs = dict[str, Any] | None  # a choice's `logprobs` (see `specdecode.server.probs`)
 
 # A complete grammar ends the output as end-of-generation would.
 FINISH_REASONS = {
@@ -28,11 +31,13 @@ def finish_reason(stats: GenerationStats) -> str:
     return FINISH_REASONS.get(stats.stop_reason, "stop")
 
 
-def usage(stats: GenerationStats) -> dict[str, int]:
+def usage(*choices: GenerationStats) -> dict[str, int]:
+    """The prompt once, and every choice's tokens (`n` > 1 makes several of one prompt)."""
+    n_prompt, n_generated = choices[0].n_prompt, sum(stats.n_generated for stats in choices)
     return {
-        "prompt_tokens": stats.n_prompt,
-        "completion_tokens": stats.n_generated,
-        "total_tokens": stats.n_prompt + stats.n_generated,
+        "prompt_tokens": n_prompt,
+        "completion_tokens": n_generated,
+        "total_tokens": n_prompt + n_generated,
     }
 
 
@@ -68,13 +73,17 @@ class TextCompletion:
     chunk_object = "text_completion"
     id_prefix = "cmpl"
 
-    def choice(self, text: str, finish: str | None) -> dict[str, Any]:
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    def choice(
+        self, text: str, finish: str | None, index: int = 0, logprobs: Logprobs = None
+    ) -> dict[str, Any]:
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
-    def delta(self, text: str | None, finish: str | None) -> dict[str, Any]:
-        return self.choice(text or "", finish)
+    def delta(
+        self, text: str | None, finish: str | None, index: int = 0, logprobs: Logprobs = None
+    ) -> dict[str, Any]:
+        return self.choice(text or "", finish, index, logprobs)
 
-    def opening(self) -> dict[str, Any] | None:
+    def opening(self, index: int = 0) -> dict[str, Any] | None:
         return None
 
 
@@ -85,17 +94,30 @@ class ChatCompletion:
     chunk_object = "chat.completion.chunk"
     id_prefix = "chatcmpl"
 
-    def choice(self, text: str, finish: str | None) -> dict[str, Any]:
+    def choice(
+        self, text: str, finish: str | None, index: int = 0, logprobs: Logprobs = None
+    ) -> dict[str, Any]:
         message = {"role": "assistant", "content": text, "refusal": None}
-        return {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
 
-    def delta(self, text: str | None, finish: str | None) -> dict[str, Any]:
+    def delta(
+        self, text: str | None, finish: str | None, index: int = 0, logprobs: Logprobs = None
+    ) -> dict[str, Any]:
         delta = {} if text is None else {"content": text}
-        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
-    def opening(self) -> dict[str, Any] | None:
+    def opening(self, index: int = 0) -> dict[str, Any] | None:
         delta = {"role": "assistant", "content": "", "refusal": None}
-        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
+        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One finished choice of an OpenAI answer."""
+
+    text: str
+    stats: GenerationStats
+    logprobs: Logprobs = None
 
 
 class Reply:
@@ -118,28 +140,37 @@ class Reply:
         self.id = f"{kind.id_prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
 
-    def whole(self, text: str, stats: GenerationStats, n_cached: int) -> dict[str, Any]:
+    def whole(self, answers: Sequence[Answer], n_cached: int) -> dict[str, Any]:
+        """The answer with its choices in order; timings are the first choice's."""
+        choices = [
+            self.kind.choice(answer.text, finish_reason(answer.stats), index, answer.logprobs)
+            for index, answer in enumerate(answers)
+        ]
         return {
             **self._head(self.kind.object),
-            "choices": [self.kind.choice(text, finish_reason(stats))],
-            "usage": usage(stats),
-            "timings": timings(stats, n_cached),
+            "choices": choices,
+            "usage": usage(*(answer.stats for answer in answers)),
+            "timings": timings(answers[0].stats, n_cached),
         }
 
-    def opening(self) -> dict[str, Any] | None:
-        choice = self.kind.opening()
+    def opening(self, index: int = 0) -> dict[str, Any] | None:
+        choice = self.kind.opening(index)
         return None if choice is None else self._chunk([choice])
 
-    def chunk(self, text: str) -> dict[str, Any]:
-        return self._chunk([self.kind.delta(text, None)])
+    def chunk(self, text: str, index: int = 0, logprobs: Logprobs = None) -> dict[str, Any]:
+        return self._chunk([self.kind.delta(text, None, index, logprobs)])
 
-    def last_chunk(self, stats: GenerationStats, n_cached: int) -> dict[str, Any]:
+    def last_chunk(self, stats: GenerationStats, n_cached: int, index: int = 0) -> dict[str, Any]:
         """The end of the choice: finish_reason, and llama-server's timings."""
-        chunk = self._chunk([self.kind.delta(None, finish_reason(stats))])
+        chunk = self._chunk([self.kind.delta(None, finish_reason(stats), index)])
         return {**chunk, "timings": timings(stats, n_cached)}
 
-    def usage_chunk(self, stats: GenerationStats) -> dict[str, Any]:
-        return {**self._chunk([]), "usage": usage(stats)}
+    def usage_chunk(self, *choices: GenerationStats) -> dict[str, Any]:
+        return {**self._chunk([]), "usage": usage(*choices)}
+
+    def progress_chunk(self, progress: dict[str, Any]) -> dict[str, Any]:
+        """llama-server's prompt_progress, in a chunk without choices."""
+        return {**self._chunk([]), "prompt_progress": progress}
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         chunk = {**self._head(self.kind.chunk_object), "choices": choices}
@@ -191,7 +222,8 @@ def native_whole(
         "tokens_evaluated": stats.n_prompt,
         "generation_settings": settings,
         "has_new_line": "\n" in text,
-        "truncated": False,
+        # llama-server's: the context was shifted, or filled
+        "truncated": stats.n_context_shifts > 0 or stats.n_prompt + stats.n_generated >= settings["n_ctx"],
         "stop_type": STOP_TYPES.get(stats.stop_reason, "none"),
         "stopping_word": stopping,
         "tokens_cached": n_cached,

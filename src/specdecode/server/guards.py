@@ -16,7 +16,8 @@ OPEN_PATHS = frozenset({"/health"})  # what load balancers probe without a key
 
 
 class RequireApiKey:
-    """401 unless the request carries `Authorization: Bearer KEY` (every path but /health).
+    """401 unless the request carries `Authorization: Bearer KEY`, or Anthropic's `x-api-key:
+    KEY` (every path but /health).
 
     The scheme is matched case-insensitively, as HTTP auth schemes are (RFC 9110); the key
     exactly, in constant time."""
@@ -29,11 +30,10 @@ class RequireApiKey:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
-        scheme, _, key = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
-        if scheme.lower() != b"bearer" or not secrets.compare_digest(key.strip(), self.expected):
+        if not self._has_key(dict(scope["headers"])):
             error = APIError(
                 401,
-                "invalid or missing API key: send the header 'Authorization: Bearer KEY'",
+                "invalid or missing API key: send the header 'Authorization: Bearer KEY' or 'x-api-key: KEY'",
                 code="invalid_api_key",
                 type=AUTHENTICATION,
                 headers={"WWW-Authenticate": 'Bearer realm="specdecode"'},
@@ -41,6 +41,12 @@ class RequireApiKey:
             await error.response()(scope, receive, send)
             return
         await self.app(scope, receive, send)
+
+    def _has_key(self, headers: dict[bytes, bytes]) -> bool:
+        if b"authorization" in headers:
+            scheme, _, key = headers[b"authorization"].partition(b" ")
+            return scheme.lower() == b"bearer" and secrets.compare_digest(key.strip(), self.expected)
+        return secrets.compare_digest(headers.get(b"x-api-key", b"").strip(), self.expected)
 
 
 class LimitBodySize:

@@ -15,12 +15,26 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from specdecode.constraints import ConstraintSpec
 
 MAX_STOP_STRINGS = 4  # the OpenAI API's limit
 MAX_NATIVE_STOP_STRINGS = 16  # llama-server has none; every stop string is checked at every step
+MAX_CHOICES = 16  # n: each choice is a generation of its own
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit on chat's top_logprobs
+MAX_LEGACY_LOGPROBS = 5  # OpenAI's limit on completions' logprobs
+MAX_N_PROBS = 100
+# OpenAI's {"token id": bias}, or llama-server's [[token id or text, bias]]; a bias of false bans
+LogitBias = dict[str, float | bool] | list[list[int | str | float | bool]]
 
 
 def no_lone_surrogates(text: str) -> str:
@@ -35,7 +49,9 @@ def no_lone_surrogates(text: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(no_lone_surrogates)]
-Prompt = Text | list[int]  # text, or token ids
+# One prompt: text, token ids, or text and ids mixed (llama-server's); a list of such prompts
+# asks for several answers (see `server.prompts`).
+Prompt = Text | list[Text | int | list[Text | int]]
 
 
 class Strict(BaseModel):
@@ -70,6 +86,9 @@ class Sampling(Speculative):
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     seed: int | None = Field(None, ge=0, lt=2**64)
     stream: bool = False
+    logit_bias: LogitBias | None = None
+    timings_per_token: bool = False  # llama-server's: every streamed chunk carries `timings`
+    return_progress: bool = False  # llama-server's: a stream reports the prompt's evaluation
 
     def sampling_overrides(self) -> dict[str, Any]:
         names = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "seed")
@@ -78,6 +97,11 @@ class Sampling(Speculative):
     @property
     def token_limit(self) -> int | None:
         raise NotImplementedError
+
+    @property
+    def top_n(self) -> int | None:
+        """How many alternatives each token's probabilities list; None: no probabilities."""
+        return None
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -96,30 +120,36 @@ class JsonSchemaFormat(Strict):
     """OpenAI's `response_format.json_schema`; `strict` is accepted either way, since the output
     always follows the schema."""
 
-    name: Annotated[str, Field(max_length=64)]
+    name: Annotated[str, Field(max_length=64)] | None = None  # OpenAI's requires one; llama-server's not
     json_schema: dict[str, Any] | None = Field(None, alias="schema")
     strict: bool | None = None
     description: str | None = None
 
 
 class ResponseFormat(Strict):
-    """OpenAI's `response_format`: free text, any JSON object, or JSON of a schema."""
+    """OpenAI's `response_format`: free text, any JSON object, or JSON of a schema; as in
+    llama-server, the schema may also be given inline (`{"type": "json_object", "schema": ...}`,
+    or `"json_schema"` with `schema`), and an empty one means any object."""
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
+    inline_schema: dict[str, Any] | None = Field(None, alias="schema")
 
     @model_validator(mode="after")
     def _schema_given(self) -> ResponseFormat:
-        if (self.type == "json_schema") != (self.json_schema is not None):
-            raise ValueError('"json_schema" is required with type json_schema, and only with it')
+        if self.json_schema is not None and self.type != "json_schema":
+            raise ValueError('"json_schema" is only allowed with type json_schema')
+        if self.type == "json_schema" and (self.json_schema is None) == (self.inline_schema is None):
+            raise ValueError('type json_schema needs "json_schema" (OpenAI\'s) or "schema", one of them')
+        if self.type == "text" and self.inline_schema is not None:
+            raise ValueError('"schema" is not allowed with type text')
         return self
 
     def constraint(self) -> ConstraintSpec | None:
-        if self.type == "json_object":
-            return ConstraintSpec.json_object()
-        if self.json_schema is not None:
-            return ConstraintSpec("json_schema", json.dumps(self.json_schema.json_schema or {}))
-        return None
+        if self.type == "text":
+            return None
+        schema = self.json_schema.json_schema if self.json_schema is not None else self.inline_schema
+        return ConstraintSpec("json_schema", json.dumps(schema)) if schema else ConstraintSpec.json_object()
 
 
 class SamplingFields(Sampling):
@@ -127,11 +157,13 @@ class SamplingFields(Sampling):
 
     max_tokens: int | None = None  # None: up to the server's limit or the end of the context
     stop: Text | Annotated[list[Text], Field(max_length=MAX_STOP_STRINGS)] | None = None
-    n: int = Field(1, ge=1)
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
     logprobs: bool | int | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
     response_format: ResponseFormat | None = None
+    grammar: Text | None = None  # llama-server's: GBNF (or Lark with a %llguidance header)
+    json_schema: dict[str, Any] | None = None  # llama-server's; a JSON response_format wins over it
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted and ignored, as a label for the caller's own logs
 
@@ -150,23 +182,52 @@ class SamplingFields(Sampling):
         return self.stream_options is not None and self.stream_options.include_usage
 
     def unsupported(self) -> str | None:
-        if self.n != 1:
-            return "n"
-        if self.logprobs or self.top_logprobs:
-            return "logprobs" if self.logprobs else "top_logprobs"
         if self.tools:
             return "tools"
         return None
 
+    @model_validator(mode="after")
+    def _one_grammar(self) -> SamplingFields:
+        json_format = self.response_format is not None and self.response_format.type != "text"
+        if self.grammar is not None and (self.json_schema is not None or json_format):
+            raise ValueError("give grammar or a JSON schema (json_schema, response_format), not both")
+        return self
+
     def constraint(self) -> tuple[ConstraintSpec, str] | None:
         spec = self.response_format.constraint() if self.response_format is not None else None
-        return None if spec is None else (spec, "response_format")
+        if spec is not None:
+            return spec, "response_format"
+        if self.json_schema is not None:
+            schema = self.json_schema or {"type": "object"}
+            return ConstraintSpec("json_schema", json.dumps(schema)), "json_schema"
+        if self.grammar is not None:
+            return ConstraintSpec("grammar", self.grammar), "grammar"
+        return None
 
 
 class CompletionRequest(SamplingFields):
-    """POST /v1/completions: one prompt, as text or as token ids."""
+    """POST /v1/completions: a prompt (text, token ids, both mixed), or a list of prompts,
+    each answered by a choice of its own."""
 
     prompt: Prompt
+
+    @field_validator("logprobs")
+    @classmethod
+    def _legacy_logprobs(cls, value: bool | int | None) -> bool | int | None:
+        if value is not None and (isinstance(value, bool) or not 0 <= value <= MAX_LEGACY_LOGPROBS):
+            raise ValueError(f"completions take a number of alternatives in 0..{MAX_LEGACY_LOGPROBS}")
+        return value
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _chat_only(cls, value: int | None) -> int | None:
+        if value is not None:
+            raise ValueError("top_logprobs is chat's; completions take logprobs: N")
+        return value
+
+    @property
+    def top_n(self) -> int | None:
+        return None if self.logprobs is None else int(self.logprobs)
 
 
 class TextPart(Strict):
@@ -191,6 +252,26 @@ class ChatRequest(SamplingFields):
 
     messages: Annotated[list[Message], Field(min_length=1)]
     max_completion_tokens: int | None = None  # the newer name of max_tokens; wins when both are given
+    add_generation_prompt: bool = True  # open an assistant turn after the messages
+    continue_final_message: bool = False  # continue the last (assistant) message, left open
+
+    @field_validator("logprobs")
+    @classmethod
+    def _chat_logprobs(cls, value: bool | int | None) -> bool | int | None:
+        if value is not None and not isinstance(value, bool):
+            raise ValueError("chat takes true or false (top_logprobs sets the alternatives)")
+        return value
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _with_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
+        return value
+
+    @property
+    def top_n(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def token_limit(self) -> int | None:
@@ -209,7 +290,12 @@ class NativeCompletionRequest(Sampling):
     ignore_eos: bool = False
     cache_prompt: bool = True  # False: the slot's cached prefix is dropped and the prompt evaluated anew
     return_tokens: bool = False
-    n_probs: int = Field(0, ge=0)
+    n_probs: int = Field(0, ge=0, le=MAX_N_PROBS)
+    n_keep: int = Field(0, ge=-1)  # with --context-shift: the tokens a shift keeps (-1: the prompt)
+    n_discard: int = Field(0, ge=0)  # with --context-shift: the tokens a shift drops (0: half)
+    post_sampling_probs: bool = False  # probabilities the sampler drew from, not the softmax's
+    # only these fields of the answer, "a/b" naming b inside a, under the path as its key
+    response_fields: list[str] | None = None
     grammar: Text | None = None  # GBNF (or Lark with a %llguidance header)
     json_schema: dict[str, Any] | None = None
 
@@ -243,8 +329,9 @@ class NativeCompletionRequest(Sampling):
     def stop_strings(self) -> tuple[str, ...]:
         return tuple(self.stop)
 
-    def unsupported(self) -> str | None:
-        return "n_probs" if self.n_probs else None
+    @property
+    def top_n(self) -> int | None:
+        return self.n_probs or None
 
 
 class TokenizeRequest(Strict):

@@ -31,6 +31,7 @@ class ServerSettings:
     accept_any_model: bool = False  # True: any "model" a request names is served by the one model
     cors_origins: tuple[str, ...] = ()  # origins browsers may call from ("*": any); none: no CORS
     shutdown_grace: float = 10.0  # seconds running generations get to finish at shutdown
+    context_shift: bool = False  # at a full context, drop tokens and go on (llama-server's --context-shift)
     model_path: str = ""  # what /props reports (default: the model's name)
 
     def __post_init__(self) -> None:
@@ -93,6 +94,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="on SIGTERM, how long running generations may go on before they are cut",
     )
+    group.add_argument(
+        "--context-shift",
+        action=argparse.BooleanOptionalAction,
+        default=DEFAULTS.context_shift,
+        help="at a full context, drop tokens after n_keep and go on, as llama-server (default: stop there)",
+    )
 
 
 def settings_from_args(
@@ -109,5 +116,6 @@ def settings_from_args(
         accept_any_model=args.accept_any_model,
         cors_origins=tuple(origin.strip() for given in args.cors or () for origin in given.split(",")),
         shutdown_grace=args.shutdown_grace,
+        context_shift=args.context_shift,
         model_path=str(args.model),
     )

@@ -51,6 +51,8 @@ class Job:
     draft: DraftModelConfig | None = None  # this request's drafting settings (None: the server's)
     cache_prompt: bool = True  # False: drop the slot's cached prefix, evaluate the whole prompt
     constraint: ConstraintSpec | None = None  # a grammar or schema the output must match (checked)
+    n_probs: int | None = None  # alternatives listed with each token's probability (None: none)
+    progress: bool = False  # events report the prompt's evaluation (`Progress`)
 
 
 @dataclass
@@ -58,6 +60,25 @@ class Slot:
     id: int
     pipeline: Pipeline
     run: Run | None = None  # the job it runs, if any
+
+
+@dataclass(frozen=True)
+class Progress:
+    """How far the prompt's evaluation is (llama-server's prompt_progress): `total` prompt
+    tokens, `cache` of them held by the slot's cache, `processed` in the cache now."""
+
+    total: int
+    cache: int
+    processed: int
+    time_ms: float
+
+    def body(self) -> dict[str, int | float]:
+        return {
+            "total": self.total,
+            "cache": self.cache,
+            "processed": self.processed,
+            "time_ms": self.time_ms,
+        }
 
 
 class _Finished:
@@ -77,11 +98,25 @@ class Run:
         self.task = task
         self.n_cached = 0  # prompt tokens the slot's cache already held (set by the worker)
         self.n_decoded = 0
+        self.generation: Generation | None = None  # once admitted; its stats grow as it runs
+        self.admitted = 0.0  # time.perf_counter() at admission
+        self.n_reported = -1  # prompt tokens the last Progress event reported
         self.cut = False
         self.stop = threading.Event()
         self._events: asyncio.Queue = asyncio.Queue()
 
-    async def events(self) -> AsyncIterator[Chunk | Generation]:
+    def report_progress(self, emit: Callable[[object], None]) -> None:
+        """A Progress event, if the job asked for them and the prompt advanced since the last."""
+        generation = self.generation
+        if not self.job.progress or generation is None:
+            return
+        processed = max(generation.prefilled, self.n_cached)
+        if processed > self.n_reported:
+            self.n_reported = processed
+            ms = 1e3 * (time.perf_counter() - self.admitted)
+            emit(Progress(len(self.job.prompt), self.n_cached, processed, ms))
+
+    async def events(self) -> AsyncIterator[Chunk | Generation | Progress]:
         """The job's chunks as they come, then its finished Generation; `Closing` instead of
         the Generation when the shutdown cut it."""
         try:
@@ -106,8 +141,9 @@ class SlotPool:
     ) -> None:
         """rule: how drafts shorten as more generations share a pass (None: they do not).
         draft_passes: what the pipelines were forked with to batch their draft models.
-        gate: whether the batch drafts only while drafting steps measure faster (None: with
-        the rule; see `BatchEngine`)."""
+        gate: whether the batch drafts only in steps where drafting is expected to pay (None:
+        with the rule; see `BatchEngine`), by the adaptive policy's pass costs where the
+        pipelines have them."""
         self.slots = [Slot(index, pipeline) for index, pipeline in enumerate(pipelines)]
         self.size = len(self.slots)
         self.closing = False
@@ -116,7 +152,14 @@ class SlotPool:
         self._runs: set[Run] = set()
         self._tasks = itertools.count()
         self._metrics = metrics
-        self._engine = BatchEngine(rule, on_pass=self._record_pass, draft_passes=draft_passes, gate=gate)
+        models = pipelines[0].policy_models if pipelines else None
+        self._engine = BatchEngine(
+            rule,
+            on_pass=self._record_pass,
+            draft_passes=draft_passes,
+            gate=gate,
+            costs=models.costs if models is not None else None,
+        )
         self._joining: deque[tuple[Run, Callable[[object], None], Callable[[], None]]] = deque()
         self._running: dict[int, tuple[Run, Callable[[object], None], Callable[[], None]]] = {}
         self._wake = threading.Condition()
@@ -203,6 +246,9 @@ class SlotPool:
                 entry.cancelled = entry.cancelled or run.stop.is_set()
             try:
                 left = self._engine.step()
+                for entry in self._engine.entries:  # still evaluating their prompts
+                    run, emit, _ = self._running[id(entry)]
+                    run.report_progress(emit)
             except Exception as exc:  # a bug outside any one sequence: fail the batch, keep serving
                 for entry in self._engine.entries:
                     entry.error = exc
@@ -221,6 +267,7 @@ class SlotPool:
             generation = pipeline.stream(
                 job.prompt, job.sampling, job.config, draft_config=job.draft, constraint=job.constraint
             )
+            generation.keep_logits = job.n_probs is not None  # probabilities are read from them
         except Exception as exc:  # reaches the request as a 500; the slot stays usable
             self._metrics.record_failure()
             emit(exc)
@@ -229,9 +276,12 @@ class SlotPool:
             return
 
         def chunk(event: Chunk) -> None:
+            run.report_progress(emit)  # the prompt's last batch, before its first token
             run.n_decoded += len(event.tokens)
             emit(event)
 
+        run.generation, run.admitted = generation, time.perf_counter()
+        run.report_progress(emit)  # nothing evaluated yet: the cached tokens
         entry = self._engine.add(generation, chunk)
         self._running[id(entry)] = (run, emit, finish)
 
