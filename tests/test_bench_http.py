@@ -136,7 +136,8 @@ def test_bad_flags_are_refused_before_any_server_starts(extra, message, tmp_path
 
 def test_a_real_server_answers_alike_alone_and_under_load(gguf_files, tmp_path):
     """Our server on the tiny GGUF file, measured as llama-server would be: ready on /health,
-    its CPU time read, every concurrent answer its solo answer, a gap measured."""
+    its CPU time read, every concurrent answer its solo answer, a long prompt sent while four
+    streams decode."""
     command = [
         sys.executable, "-m", "specdecode.cli", "serve", "-m", str(gguf_files["target.gguf"]),
         "--port", "{port}", "--threads", "1", "-np", "5", "-c", "512",
@@ -153,5 +154,7 @@ def test_a_real_server_answers_alike_alone_and_under_load(gguf_files, tmp_path):
         gap = gap_run(server, prompts, list(range(5, 105)), 512)
     assert server.process.poll() is not None  # stopped on leaving the block
     assert gap["prompt_error"] is None and gap["prompt_tokens"] == 100 and not gap["stream_errors"]
-    assert gap["largest_gap_s"] > 0 and gap["gap_passes"] > 0 and gap["median_pause_s"] > 0
+    # The tiny model's steps may all fall within SAME_STEP of each other (no pause to measure):
+    # the figures' arithmetic is checked on set times above; here, that the run went through.
+    assert gap["prefill_wait_s"] > 0 and gap["streams_ended_early"] == 0
     assert (tmp_path / "logs" / "ours.log").is_file()

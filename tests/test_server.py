@@ -51,7 +51,7 @@ from specdecode.server.metrics import Metrics
 from specdecode.server.schemas import Message
 from specdecode.server.serve import Server, listen
 from specdecode.server.settings import settings_from_args
-from specdecode.server.slots import Closing, Job, SlotPool
+from specdecode.server.slots import Closing, Job, Outbox, SlotPool
 from specdecode.testing import save_model
 
 SPEC = TargetSpec(seed=5)
@@ -598,6 +598,32 @@ def test_a_client_that_leaves_mid_stream_frees_its_slot():
         )
         assert reply.json()["choices"][0]["text"] == alone(PROMPTS[6], 8).text
         assert metric(base, 'specdecode_requests_total{outcome="completed"}') == 1
+
+
+def test_outbox_hands_events_posted_before_its_delivery_over_in_one_wake_up_in_order():
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        wake_ups: list[object] = []
+        call_soon_threadsafe = loop.call_soon_threadsafe
+
+        def counted(callback, *args):
+            wake_ups.append(callback)
+            return call_soon_threadsafe(callback, *args)
+
+        loop.call_soon_threadsafe = counted
+        outbox = Outbox(loop)
+        queues: list[asyncio.Queue] = [asyncio.Queue(), asyncio.Queue()]
+        for event in range(6):
+            outbox.post(queues[event % 2], event)
+        await asyncio.sleep(0)
+        assert len(wake_ups) == 1
+        assert [queues[0].get_nowait() for _ in range(3)] == [0, 2, 4]
+        assert [queues[1].get_nowait() for _ in range(3)] == [1, 3, 5]
+        outbox.post(queues[0], "later")  # after the delivery: a wake-up of its own
+        await asyncio.sleep(0)
+        assert len(wake_ups) == 2 and queues[0].get_nowait() == "later"
+
+    asyncio.run(scenario())
 
 
 def test_slot_pool_queues_requests_beyond_its_slots():

@@ -38,7 +38,7 @@ from functools import partial
 from typing import TypeVar
 
 from specdecode.backends import Backend
-from specdecode.backends.batch import RowGroup, SharedPasses, evaluate_each, score_alone
+from specdecode.backends.batch import RowGroup, evaluate_each, score_alone, shares_passes
 from specdecode.backends.gather import DraftPasses, outcome
 from specdecode.generate import Chunk, Generation, StepPlan
 from specdecode.policy import CostModel, PassLoad, PassShare
@@ -364,7 +364,7 @@ class BatchEngine:
         own, so that prompt chunks do too."""
         backends = [entry.generation.target for entry in decoding]
         first = backends[0]
-        if not all(isinstance(b, SharedPasses) and b.pass_key == first.pass_key for b in backends):
+        if not all(shares_passes(b) and b.pass_key == first.pass_key for b in backends):
             return None
         return max(0, first.max_pass_rows - sum(entry.rows for entry in decoding))
 

@@ -58,6 +58,17 @@ class SharedPasses(Protocol):
         ...
 
 
+def shares_passes(backend: object) -> bool:
+    """`isinstance(backend, SharedPasses)`, answered as the Protocol check answers it (data
+    members present, methods not None) without its machinery, which costs more than the
+    rest of a step's bookkeeping when asked for every sequence of every step."""
+    return (
+        hasattr(backend, "max_pass_rows")
+        and hasattr(backend, "pass_key")
+        and getattr(backend, "evaluate_groups", None) is not None
+    )
+
+
 def evaluate_groups(groups: Sequence[RowGroup]) -> list[torch.Tensor]:
     """Logits [len(group), V] of every group, in order, in as few passes as the backends allow:
     groups whose backends share a forward go through it together, packed in order into passes
@@ -66,7 +77,7 @@ def evaluate_groups(groups: Sequence[RowGroup]) -> list[torch.Tensor]:
     shared: dict[object, list[int]] = {}
     for index, group in enumerate(groups):
         backend = group.backend
-        if len(groups) > 1 and isinstance(backend, SharedPasses):
+        if len(groups) > 1 and shares_passes(backend):
             shared.setdefault(backend.pass_key, []).append(index)
         else:
             out[index] = score_alone(group)

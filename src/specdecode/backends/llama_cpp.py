@@ -735,10 +735,10 @@ class LlamaCppBackend:
             raise SpecdecodeError(f"{self.name}: llama_decode failed (status {status})")
         if not outputs:
             return torch.empty(0, self._size)
-        pointer = llama_cpp.llama_get_logits(self._context)
-        view = np.ctypeslib.as_array(pointer, shape=(outputs, self._size))
+        logits = torch.empty(outputs, self._size, dtype=torch.float32)
         # One copy of the whole block: the buffer is overwritten by the next pass.
-        return torch.from_numpy(view.copy())
+        ctypes.memmove(logits.data_ptr(), llama_cpp.llama_get_logits(self._context), logits.nbytes)
+        return logits
 
 
 class SharedLlamaCppBackend(LlamaCppBackend):

@@ -84,6 +84,9 @@ from specdecode.strategies import DraftModelConfig
 
 CLIENT_CLOSED = 499  # nginx's status for a client that left before the answer
 RANDOM_SEED = 0xFFFFFFFF  # how llama-server shows "a random seed" in its settings
+# How often a job answered in one piece asks whether its client left: one ask costs more than
+# a token's own bookkeeping, so it is not made for every chunk.
+DISCONNECT_POLL_S = 0.05
 Body = TypeVar("Body", bound=BaseModel)
 Rendered = TypeVar("Rendered")
 
@@ -421,6 +424,7 @@ class Service:
     ) -> Generation | None:
         """The finished generation, or None when the client left first (the job is stopped);
         its chunks are appended to `chunks`, if given."""
+        polled = -DISCONNECT_POLL_S
         async with contextlib.aclosing(run.events()) as events:
             try:
                 async for event in events:
@@ -429,8 +433,10 @@ class Service:
                     assert isinstance(event, Chunk)
                     if chunks is not None:
                         chunks.append(event)
-                    if await request.is_disconnected():
-                        return None
+                    if (now := time.monotonic()) - polled >= DISCONNECT_POLL_S:
+                        polled = now
+                        if await request.is_disconnected():
+                            return None
             except Closing:
                 raise shutting_down("the generation was stopped") from None
         raise AssertionError("a job ends with its Generation")

@@ -88,6 +88,31 @@ class _Finished:
 FINISHED = _Finished()
 
 
+class Outbox:
+    """Hands the engine thread's events to one asyncio loop in batches: a step's chunks for
+    every run cost one `call_soon_threadsafe` (a wake-up of the loop) rather than one each,
+    while the order of each run's events is kept."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._pending: list[tuple[asyncio.Queue, object]] = []
+
+    def post(self, queue: asyncio.Queue, event: object) -> None:
+        with self._lock:
+            self._pending.append((queue, event))
+            if len(self._pending) > 1:  # a delivery is already scheduled and will take it
+                return
+        with contextlib.suppress(RuntimeError):  # the loop is closed: the server is exiting
+            self._loop.call_soon_threadsafe(self._deliver)
+
+    def _deliver(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for queue, event in pending:
+            queue.put_nowait(event)
+
+
 class Run:
     """A job running in a slot, stepped by the batch engine. Iterate `events()` once; leaving
     the loop early stops the generation at its next step."""
@@ -163,6 +188,7 @@ class SlotPool:
         self._joining: deque[tuple[Run, Callable[[object], None], Callable[[], None]]] = deque()
         self._running: dict[int, tuple[Run, Callable[[object], None], Callable[[], None]]] = {}
         self._wake = threading.Condition()
+        self._outboxes: dict[asyncio.AbstractEventLoop, Outbox] = {}
         self._stopped = False
         self._thread = threading.Thread(target=self._serve, name="batch-engine", daemon=True)
         self._thread.start()
@@ -210,10 +236,10 @@ class SlotPool:
         loop = asyncio.get_running_loop()
         run = slot.run = Run(slot, job, next(self._tasks))
         self._runs.add(run)
+        outbox = self._outboxes.get(loop) or self._outboxes.setdefault(loop, Outbox(loop))
 
         def emit(event: object) -> None:
-            with contextlib.suppress(RuntimeError):  # the loop is closed: the server is exiting
-                loop.call_soon_threadsafe(run._events.put_nowait, event)
+            outbox.post(run._events, event)
 
         def done() -> None:
             self._runs.discard(run)
