@@ -124,6 +124,29 @@ def check_cache_room(name: str, cached: int, new: int, n_ctx: int) -> None:
         raise SpecdecodeError(f"{name}: context full ({cached} + {new} tokens > n_ctx {n_ctx})")
 
 
+@dataclass
+class WholeChunks:
+    """The leading cached positions scored in whole `n_batch` chunks from position 0, as a
+    fresh context scores a prompt. Where kernels round a row by its pass's shape, a new prompt
+    gets a fresh run's bits only if it keeps such chunks of the cache and scores the rest in the
+    chunks a fresh run scores it in (the transformers and llama.cpp backends' `reusable_prefix`)."""
+
+    n_batch: int
+    end: int = 0
+
+    def scored(self, position: int, rows: int) -> None:
+        """A pass scored `rows` cached positions from `position` on."""
+        if position == self.end and rows == self.n_batch:
+            self.end += rows
+
+    def truncate(self, n: int) -> None:
+        self.end = min(self.end, n)
+
+    def reusable(self, cached: int) -> int:
+        """How many of the first `cached` positions a new prompt may keep: whole chunks."""
+        return min(cached, self.end) // self.n_batch * self.n_batch
+
+
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     """Length of the longest common prefix of two id sequences."""
     n = min(len(a), len(b))

@@ -20,7 +20,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from specdecode.backends import VocabInfo, check_cache_room
+from specdecode.backends import VocabInfo, WholeChunks, check_cache_room
 from specdecode.backends.hidden import HiddenRecorder, HiddenRows, recording
 from specdecode.backends.options import LoadOptions as LoadOptions  # re-exported: the tools read it here
 from specdecode.backends.tree import PendingTree, check_tree_room
@@ -66,7 +66,7 @@ class HFBackend:
         self.vocab = _vocab_info(model, tokenizer)
         self._texts: list[str] | None = None
         self._tokens: list[int] = []
-        self._fresh = 0  # leading cached positions scored in whole chunks, as a fresh prompt's are
+        self._fresh = WholeChunks(n_batch)
         self._cache = DynamicCache(config=model.config)
         self._cache_keyword = cache_keyword(model)
         self._recorder: HiddenRows | None = None  # set by capture_hidden
@@ -195,8 +195,7 @@ class HFBackend:
             keep = end - max(start, first_wanted)
             position = len(self._tokens)
             logits = self._forward(ids[start:end], max(keep, 1))  # [1, max(keep,1), V]
-            if position == self._fresh and end - start == self.n_batch:
-                self._fresh += self.n_batch
+            self._fresh.scored(position, end - start)
             if keep > 0:
                 rows.append(logits[0, -keep:])
         if not rows:
@@ -211,14 +210,14 @@ class HFBackend:
         pass by about 1e-5 in float32). The prompt's other chunks then have the shapes they have
         in a fresh run, so a cached prompt gives a fresh run's bits; a prompt shorter than
         `n_batch` is scored whole each time."""
-        return min(cached, self._fresh) // self.n_batch * self.n_batch
+        return self._fresh.reusable(cached)
 
     def truncate(self, n: int) -> None:
         n = max(0, n)
         self._drop_tree()
         if n >= len(self._tokens):
             return
-        self._fresh = min(self._fresh, n)
+        self._fresh.truncate(n)
         self._crop_cache(n)
         del self._tokens[n:]
         if self._recorder is not None:

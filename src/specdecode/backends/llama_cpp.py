@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from specdecode import pass_cache
-from specdecode.backends import VocabInfo, check_cache_room
+from specdecode.backends import VocabInfo, WholeChunks, check_cache_room
 from specdecode.backends.batch import RowGroup
 from specdecode.backends.hidden import HiddenRows
 from specdecode.backends.options import LoadOptions
@@ -306,7 +306,7 @@ class LlamaCppBackend:
         self._size = int(llama_cpp.llama_vocab_n_tokens(model.vocab))
         self._tokens: list[int] = []  # ids of the cached positions, then the owed ones
         self._owed: list[int] = []  # committed tree tokens not in the cache yet (see commit)
-        self._fresh = 0  # leading cached positions scored in whole chunks, as a fresh prompt's are
+        self._fresh = WholeChunks(n_batch)
         self._tree = PendingTree()
         self._texts: list[str] | None = None
         self.vocab = self._vocab_info()
@@ -572,8 +572,7 @@ class LlamaCppBackend:
                 )
             outputs = self._decode(len(chunk))
             self._record_hidden(len(chunk))
-            if position + start == self._fresh and len(chunk) == self.n_batch:
-                self._fresh += len(chunk)
+            self._fresh.scored(position + start, len(chunk))
             if len(outputs):
                 out.append(outputs)
         self._tokens.extend(rows_in[owed:])
@@ -594,7 +593,7 @@ class LlamaCppBackend:
                 raise SpecdecodeError(f"{self.name}: llama.cpp cannot roll this model's cache back")
             self._owed.clear()
         del self._tokens[n:]
-        self._fresh = min(self._fresh, n)
+        self._fresh.truncate(n)
         if self._hidden is not None:
             self._hidden.truncate(n)
 
@@ -608,7 +607,7 @@ class LlamaCppBackend:
         of its own would still leave the rows before it (in the cache, read by every later row)
         from a pass of another shape whenever the cached prefix ends elsewhere. The price: a
         prompt shorter than `n_batch` is scored whole each time."""
-        return min(cached, self._fresh) // self.n_batch * self.n_batch
+        return self._fresh.reusable(cached)
 
     def evaluate_tree(self, ids: Sequence[int], parents: Sequence[int]) -> torch.Tensor:
         """See `specdecode.backends.Backend.evaluate_tree` and the module's docstring."""
