@@ -125,7 +125,7 @@ class Service:
         prompts = split_prompts(body.prompt)
         if len(prompts) != 1:
             return await self._several(body, prompts, request)
-        return await self._completion_of(body.model_copy(update={"prompt": prompts[0]}), request)
+        return await self._completion_of(body, await self._prompt_ids(prompts[0]), request)
 
     async def chat(self, request: Request) -> Response:
         body = await parse_body(request, ChatRequest)
@@ -172,11 +172,11 @@ class Service:
         prompts = split_prompts(body.prompt)
         if len(prompts) != 1:
             return await self._several(body, prompts, request)
-        return await self._native(body.model_copy(update={"prompt": prompts[0]}), request)
+        return await self._native(body, await self._prompt_ids(prompts[0]), request)
 
-    async def _native(self, body: NativeCompletionRequest, request: Request) -> Response:
-        """/completion's answer to one prompt."""
-        job = await self._constrained(body, self._job(body, await self._prompt_ids(body.prompt)))
+    async def _native(self, body: NativeCompletionRequest, prompt: list[int], request: Request) -> Response:
+        """/completion's answer to one prompt (its ids)."""
+        job = await self._constrained(body, self._job(body, prompt))
         job = await with_request_options(self.tokenizers, self.front.target.vocab.size, body, job)
         run = await self._start(job, request)
         if run is None:
@@ -294,22 +294,21 @@ class Service:
             raise APIError(400, "several prompts cannot be streamed: send one request each", param="prompt")
         if len(prompts) > MAX_PROMPTS:
             raise APIError(400, f"at most {MAX_PROMPTS} prompts in one request", param="prompt")
-        for prompt in prompts:
-            self._job(body, await self._prompt_ids(prompt))
+        ids = [await self._prompt_ids(prompt) for prompt in prompts]
+        for prompt in ids:
+            self._job(body, prompt)
         native = isinstance(body, NativeCompletionRequest)
-        bodies = [body.model_copy(update={"prompt": prompt}) for prompt in prompts]
-        replies = await asyncio.gather(
-            *(self._native(one, request) if native else self._completion_of(one, request) for one in bodies)
-        )
+        answer = self._native if native else self._completion_of
+        replies = await asyncio.gather(*(answer(body, prompt, request) for prompt in ids))
         for reply in replies:
             if reply.status_code != 200:
                 return reply
         answers = [json.loads(reply.body) for reply in replies]
         return JSONResponse(answers if native else merged_choices(answers))
 
-    async def _completion_of(self, body: CompletionRequest, request: Request) -> Response:
-        """/v1/completions' answer to one prompt."""
-        return await self._openai(body, await self._prompt_ids(body.prompt), TextCompletion(), request)
+    async def _completion_of(self, body: CompletionRequest, prompt: list[int], request: Request) -> Response:
+        """/v1/completions' answer to one prompt (its ids)."""
+        return await self._openai(body, prompt, TextCompletion(), request)
 
     def _job(self, body: Sampling, prompt: list[int]) -> Job:
         if not prompt:
