@@ -281,7 +281,6 @@ class BatchEngine:
         self.costs = costs if costs is not None else rule.costs if rule is not None else CostModel()
         self._feeds = costs is None  # the engine teaches self.costs (the prompt budget reads them)
         self.gate = SpeculationGate(self.costs) if gated else None
-        self._riding: list[tuple[Entry, RowGroup]] = []  # prompt chunks for the next decode pass
         self._prompt_row_seconds: float | None = None  # what a prompt row adds to a pass, lately
 
     def __len__(self) -> int:
@@ -340,15 +339,15 @@ class BatchEngine:
             chunks = self._prompt_chunks(prompts if room is not None else prompts[:1], budget)
             # Chunks that fit the decode pass's room ride in it; a whole chunk (one that cannot
             # be cut exactly) runs in a pass of its own, as in a solo run.
+            riding: list[tuple[Entry, RowGroup]] = []
             alone: list[tuple[Entry, RowGroup]] = []
             for entry, group in chunks:
-                fits = len(group) <= (room or 0) - sum(len(g) for _, g in self._riding)
+                fits = len(group) <= (room or 0) - sum(len(g) for _, g in riding)
                 rides = fits and entry.generation.exact_prompt_cuts
-                (self._riding if rides else alone).append((entry, group))
-            self._decode(decoding)
-            # the whole chunks, and those a decode pass did not take (none ran: no plan)
-            self._prefill_alone(self._riding + alone)
-            self._riding = []
+                (riding if rides else alone).append((entry, group))
+            if not self._decode(decoding, riding):  # no pass ran (no plan): none rode in it
+                alone = riding + alone
+            self._prefill_alone(alone)  # the whole chunks, and those no decode pass took
         elif prompts:
             self._prefill_alone(self._prompt_chunks(prompts[:1], None))
         left = [e for e in self.entries if e.done]
@@ -439,9 +438,10 @@ class BatchEngine:
             done = partial(entry.generation.prefill_done, group, scored)
             self._deliver(entry, self._guarded(entry, done))
 
-    def _decode(self, decoding: list[Entry]) -> None:
-        """A step of the decoding sequences; a sequence alone drafts as its chain chooses, a
-        batch as the gate does."""
+    def _decode(self, decoding: list[Entry], riding: list[tuple[Entry, RowGroup]]) -> bool:
+        """A step of the decoding sequences, the prompt chunks `riding` in its pass; a
+        sequence alone drafts as its chain chooses, a batch as the gate does. Whether a pass
+        ran (none where no sequence planned one)."""
         batch = len(decoding)
         gate = self.gate if batch >= 2 else None
         drafting = True
@@ -449,14 +449,17 @@ class BatchEngine:
             prior = self._acceptance_prior()
             drafting = gate.choose([(entry.acceptance(prior), entry.length) for entry in decoding])
         began = time.perf_counter()
-        ran = self._decode_step(decoding, drafting)
+        ran = self._decode_step(decoding, drafting, riding)
         if gate is not None and ran is not None:
             drafted, t_pass = ran
             gate.observe(batch, drafting, drafted, time.perf_counter() - began - t_pass)
+        return ran is not None
 
-    def _decode_step(self, decoding: list[Entry], drafting: bool) -> tuple[int, float] | None:
-        """Plan, one shared pass, finish; returns the tokens drafted and the pass's seconds
-        (None: no pass ran)."""
+    def _decode_step(
+        self, decoding: list[Entry], drafting: bool, riding: list[tuple[Entry, RowGroup]]
+    ) -> tuple[int, float] | None:
+        """Plan, one shared pass (with the prompt chunks `riding`), finish; returns the tokens
+        drafted and the pass's seconds (None: no pass ran)."""
         plans: list[tuple[Entry, StepPlan]] = []
         planned, t_round = self._plan(decoding, drafting)
         for entry, plan in zip(decoding, planned, strict=True):
@@ -468,7 +471,6 @@ class BatchEngine:
                 self._deliver(entry, entry.generation.final_chunk())
         if not plans:
             return None
-        riding, self._riding = self._riding, []  # prompt chunks that share the pass
         start = time.perf_counter()
         # One shared pass; if it fails, each plan alone, so a failure is its sequence's own.
         logits = evaluate_each([plan.rows for _, plan in plans] + [group for _, group in riding])
