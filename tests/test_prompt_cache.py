@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from specdecode import GenerationConfig, Pipeline, SamplingParams
+from specdecode import DraftModelConfig, GenerationConfig, Pipeline, SamplingParams
 from specdecode.backends.hf import LoadOptions
 from specdecode.backends.load import load_backend
 
@@ -102,8 +102,32 @@ def test_llama_cpp_gives_a_cached_prompt_a_fresh_runs_bits(
     evaluated = check_cached_prompts(
         lambda: load_backend(path, options), monkeypatch, exactness_log, f"llama.cpp-{n_batch}", fmt
     )
-    # Whole chunks of a cached prompt are kept: only its last, partial one is scored again.
-    assert evaluated == ([130, 130, 155] if n_batch == 512 else [130, 2, 27])
+    # At least whole chunks of a cached prompt are kept: only its last, partial one is scored
+    # again. Where the probe finds two classes of passes (Q8_0 on llama.cpp's CPU flash
+    # attention, one thread: below and from 64 rows), more: all but the 64 rows that score the
+    # rest of a prompt of wide passes again in one wide pass, everything of narrow ones.
+    whole = [130, 130, 155] if n_batch == 512 else [130, 2, 27]
+    assert all(ours <= chunks for ours, chunks in zip(evaluated, whole, strict=True))
+    if fmt == "q8_0":
+        assert evaluated == ([130, 64, 64] if n_batch == 512 else [130, 1, 25])
+
+
+def test_llama_cpp_keeps_cached_positions_only_from_passes_of_a_fresh_runs_class(gguf_files, monkeypatch):
+    """A prompt that runs on past a cached prompt into its generated tokens: a fresh run scores
+    all of it in one wide pass, and the generated tokens were scored in one-row passes, so only
+    the cached prompt's positions are kept, and the logits are a fresh run's."""
+    options = LoadOptions(backend="llama.cpp", threads=1, n_ctx=256)
+    load = lambda: load_backend(gguf_files["target-q8_0.gguf"], options)  # noqa: E731
+    target = load()
+    first = FirstLogits(target, monkeypatch)
+    pipeline = Pipeline(target, spec_types=[])
+    generated = pipeline.generate(PROMPT, GREEDY, SHORT).tokens
+    longer = [*PROMPT, *generated, *(3 * i % 50 + 60 for i in range(60))]  # past 64 rows after PROMPT
+    first.start()
+    tokens = pipeline.generate(longer, GREEDY, SHORT).tokens
+    assert first.evaluated == len(longer) - len(PROMPT)
+    expected_tokens, expected_logits = fresh(load, longer)
+    assert tokens == expected_tokens and torch.equal(first.rows[-1], expected_logits)
 
 
 @pytest.mark.parametrize("n_batch", [512, 32])
@@ -127,3 +151,36 @@ def test_the_native_backend_gives_a_cached_prompt_a_fresh_runs_bits(gguf_files, 
         lambda: load_backend(gguf_files["target"], options), monkeypatch, exactness_log, "native", "float32"
     )
     assert evaluated == [130, 1, 25]  # every cached prompt token is kept
+
+
+def test_transformers_keeps_only_chunks_a_fresh_run_scores_after_rollbacks(gguf_files, monkeypatch):
+    """Verify passes of `n_batch` rows that start after a rollback are not a fresh run's chunks:
+    a longer prompt keeps only cached positions last scored in a chunk a fresh run scores (one
+    of n_batch rows from a multiple of n_batch), and gets a fresh run's logits bit for bit."""
+    options = LoadOptions(backend="hf", threads=1, n_ctx=256, n_batch=4, dtype="float32")
+    target = load_backend(gguf_files["target"], options)
+    draft = load_backend(gguf_files["draft"], options)
+    scored_in: dict[int, tuple[int, int]] = {}  # position -> (start, rows) of the pass that last scored it
+    forward = target._forward
+
+    def recording(ids, keep):
+        start = len(target.tokens)
+        scored_in.update({start + i: (start, len(ids)) for i in range(len(ids))})
+        return forward(ids, keep)
+
+    monkeypatch.setattr(target, "_forward", recording)
+    first = FirstLogits(target, monkeypatch)
+    chains = DraftModelConfig(n_max=3, p_min=0.0)  # verify passes of n_batch rows, from anywhere
+    pipeline = Pipeline(target, draft, spec_types=["draft"], draft_config=chains)
+    config = GenerationConfig(n_predict=48, ignore_eos=True)
+    prompt = PROMPT[:20]
+    generated = pipeline.generate(prompt, GREEDY, config).tokens
+    assert pipeline.generate(prompt, GREEDY, config).tokens == generated
+    longer = [*prompt, *generated[:-1], *LONGER[-5:]]
+    first.start()
+    tokens = pipeline.generate(longer, GREEDY, SHORT).tokens
+    kept = len(longer) - first.evaluated
+    assert kept >= len(prompt)
+    assert [scored_in[p] for p in range(kept)] == [(p // 4 * 4, 4) for p in range(kept)]
+    expected_tokens, expected_logits = fresh(lambda: load_backend(gguf_files["target"], options), longer)
+    assert tokens == expected_tokens and torch.equal(first.rows[-1], expected_logits)

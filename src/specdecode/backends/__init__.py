@@ -140,7 +140,10 @@ class WholeChunks:
             self.end += rows
 
     def truncate(self, n: int) -> None:
-        self.end = min(self.end, n)
+        """Only the first n positions stay cached. A chunk cut short is a chunk no longer, and
+        `end` stays a multiple of `n_batch`: a pass that then starts at the cut (a verify pass
+        after a rollback) does not start where a fresh run's chunk does."""
+        self.end = min(self.end, n // self.n_batch * self.n_batch)
 
     def reusable(self, cached: int) -> int:
         """How many of the first `cached` positions a new prompt may keep: whole chunks."""

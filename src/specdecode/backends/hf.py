@@ -203,13 +203,13 @@ class HFBackend:
         out = torch.cat(rows) if len(rows) > 1 else rows[0]
         return out if out.dtype == torch.float64 else out.float().cpu()
 
-    def reusable_prefix(self, cached: int) -> int:
-        """How many of the first `cached` positions a new prompt may keep: the whole chunks a
-        fresh context would have scored in the same passes (transformers' kernels round a row by
-        its pass's shape: a last prompt token re-scored alone differs from the whole prompt's
-        pass by about 1e-5 in float32). The prompt's other chunks then have the shapes they have
-        in a fresh run, so a cached prompt gives a fresh run's bits; a prompt shorter than
-        `n_batch` is scored whole each time."""
+    def reusable_prefix(self, cached: int, prompt_length: int | None = None) -> int:
+        """How many of the first `cached` positions a new prompt (of any length) may keep: the
+        whole chunks a fresh context would have scored in the same passes (transformers' kernels
+        round a row by its pass's shape: a last prompt token re-scored alone differs from the
+        whole prompt's pass by about 1e-5 in float32). The prompt's other chunks then have the
+        shapes they have in a fresh run, so a cached prompt gives a fresh run's bits; a prompt
+        shorter than `n_batch` is scored whole each time."""
         return self._fresh.reusable(cached)
 
     def truncate(self, n: int) -> None:

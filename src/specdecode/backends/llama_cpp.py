@@ -15,11 +15,11 @@ scored again as the first rows of the next pass, so that the cache holds every p
 position order, as plain generation leaves it (see `commit`).
 
 A prompt found in the cache must give the bits it gives a fresh context, and llama.cpp rounds
-a row by the shape of its pass (a prompt's last row scored in a pass of 100 rows differed from
-the same row scored alone on a Q8_0 file whose passes of up to 64 rows agreed, past the sizes
-the probe tries). So a prompt keeps only the cached prefix that a fresh run would have built the same way,
-whole `n_batch` chunks from position 0, and scores the rest in the chunks a fresh run scores
-it in (see `reusable_prefix`).
+a row by the shape of its pass (its CPU flash attention takes tiles of 64 query rows from passes
+of 64 rows on: a prompt's last row scored in a pass of 100 rows differs from the same row
+scored alone even on a Q8_0 file whose shorter passes agree). So a prompt keeps only the
+cached prefix that a fresh run would have built the same way, whole `n_batch` chunks from
+position 0, and scores the rest in the chunks a fresh run scores it in (see `reusable_prefix`).
 
 An EAGLE-3 head reads the target's hidden states: the inputs of the layers it names, which
 llama.cpp captures for every row of a pass (`capture_hidden`), one row per cached position.
@@ -59,10 +59,19 @@ except ImportError:  # the optional extra
 
 INSTALL_HINT = "pip install 'specdecode[llama-cpp]'"
 VOCAB_KINDS = {1: "spm", 2: "bpe", 3: "wpm", 4: "ugm"}
-MAX_SEQUENCES = 64  # the committed sequence and up to 63 pending tree nodes
+MAX_SEQUENCES = 64  # the committed sequence, up to 62 pending tree nodes and the spare one
+SPARE_SEQUENCE = MAX_SEQUENCES - 1  # a one-row pass's second row (see LlamaCppBackend._decode)
+# From this position on a one-row pass gets that second row: below it, the cache holds fewer
+# than 256 cells (positions, tree nodes and the spare), and llama.cpp's attention reads 256.
+PAD_FROM = 128
 # The row-invariance probe: after PROBE_CONTEXT tokens of this text, one pass of each row count
 # in PROBE_PASSES (verify passes of drafts up to 16 long; kernels switch paths at multiples of
-# 2, 4 and 8 rows), each over the next tokens, against the same rows one at a time.
+# 2, 4 and 8 rows), each over the next tokens, against the same rows one at a time. Then, at
+# cache lengths from PROBE_CONTEXT up to the context (`probe_lengths`), passes of every size in
+# WIDE_PASSES against PROBE_ROWS rows scored one at a time: llama.cpp's kernels also switch
+# with the cached cells (its CPU flash attention splits a one-row pass over 512 cells or more
+# among its threads) and past 63 rows (flash attention's tiles of 64 query rows), so passes are
+# vouched for only at the lengths and sizes seen to agree (ngram-mod verifies up to 65 rows).
 PROBE_TEXT = (
     "import os\n\n\ndef read_lines(path, encoding='utf-8'):\n"
     '    """Return the lines of a text file, without their line ends."""\n'
@@ -73,7 +82,12 @@ PROBE_TEXT = (
 )
 PROBE_CONTEXT = 8
 PROBE_PASSES = (2, 3, 4, 5, 7, 8, 9, 16, 17)
-PROBE_FORMAT = 1  # of the probe's stored verdicts (see LlamaCppBackend.invariant)
+WIDE_PASSES = (*PROBE_PASSES, 33, 63, 64, 65)
+PROBE_ROWS = 17  # rows scored one at a time at each probed length
+CLASS_PASS = 130  # beside the wide passes: do all passes past the vouched size round alike?
+PROBE_FIRST_LENGTH = 320  # past 256 cells: llama.cpp pads the cells a pass reads to 256
+PROBE_LONGEST = 4096  # the probe's fill costs a prompt this long at most
+PROBE_FORMAT = 2  # of the probe's stored verdicts (see LlamaCppBackend.invariant)
 # ggml's switch for its tiled K-quant (Q2_K..Q6_K, IQ*) matrix product, which it takes for
 # passes of 8 rows and more of weights kept in the file's layout: its sums round a row
 # otherwise than the one-row dot product. ggml reads it once per process, at the first product.
@@ -177,6 +191,20 @@ class RowAgreement:
         )
 
 
+def probe_lengths(n_ctx: int) -> list[int]:
+    """The cache lengths the row-invariance probe passes at in a context of n_ctx cells: the
+    short PROBE_CONTEXT, then from PROBE_FIRST_LENGTH doubling, and the last length whose
+    widest pass still fits the context (or PROBE_LONGEST, past which it costs too much)."""
+    room = min(n_ctx, PROBE_LONGEST) - max(WIDE_PASSES)
+    lengths, length = [PROBE_CONTEXT], PROBE_FIRST_LENGTH
+    while length < room:
+        lengths.append(length)
+        length *= 2
+    if room > lengths[-1]:
+        lengths.append(room)
+    return lengths
+
+
 class LlamaModel:
     """A loaded GGUF model (weights and vocabulary), shared by the contexts forked from it.
 
@@ -208,6 +236,9 @@ class LlamaModel:
         self._tokenizer = None
         self.probe: RowAgreement | None = None  # see LlamaCppBackend.invariant
         self.invariant_rows = 0  # the probed passes of up to this many rows were all bit-identical
+        # whether the probed passes of more rows than that agreed among themselves (see
+        # LlamaCppBackend.reusable_prefix)
+        self.wide_rows_agree = False
 
     @property
     def tokenizer(self) -> PreTrainedTokenizerBase:
@@ -245,8 +276,11 @@ class LlamaContext:
         unified: bool = True,
     ) -> None:
         params = llama_cpp.llama_context_default_params()
-        # With a stream per sequence, llama.cpp splits n_ctx among them.
-        params.n_ctx = n_ctx if unified else n_ctx * sequences
+        # With a stream per sequence, llama.cpp splits n_ctx among them. One KV stream gets a
+        # cell more than n_ctx, for the second row a one-row pass is given even when the
+        # context is full (see `LlamaCppBackend._decode`).
+        spare = 1 if unified else 0
+        params.n_ctx = n_ctx + spare if unified else n_ctx * sequences
         params.n_batch = params.n_ubatch = max(n_batch, MAX_SEQUENCES)
         params.n_seq_max = sequences
         params.kv_unified = unified
@@ -256,7 +290,8 @@ class LlamaContext:
         if not self.pointer:
             raise SpecdecodeError(f"{name}: llama.cpp could not create a context of {params.n_ctx} tokens")
         self.memory = llama_cpp.llama_get_memory(self.pointer)
-        self.n_ctx_seq = int(llama_cpp.llama_n_ctx_seq(self.pointer))
+        # what the user may fill: llama.cpp rounds the cells up (to a multiple of 256)
+        self.n_ctx_seq = min(int(llama_cpp.llama_n_ctx_seq(self.pointer)) - spare, n_ctx)
         self.batch_rows = int(params.n_batch)
         self.batch = llama_cpp.llama_batch_init(self.batch_rows, 0, MAX_SEQUENCES)
 
@@ -272,6 +307,7 @@ class LlamaCppBackend:
 
     # Set where `--backend auto` ran a Hugging Face directory here (see `specdecode.backends.hf_gguf`).
     backend_note: str | None = None
+    pads_one_row_passes = True  # see _decode
 
     def __init__(
         self,
@@ -307,6 +343,7 @@ class LlamaCppBackend:
         self._tokens: list[int] = []  # ids of the cached positions, then the owed ones
         self._owed: list[int] = []  # committed tree tokens not in the cache yet (see commit)
         self._fresh = WholeChunks(n_batch)
+        self._pass_rows: list[int] = []  # per scored position: the rows of the pass that scored it
         self._tree = PendingTree()
         self._texts: list[str] | None = None
         self.vocab = self._vocab_info()
@@ -316,30 +353,37 @@ class LlamaCppBackend:
 
     @property
     def invariant(self) -> bool:
-        """Whether llama.cpp gives a row the same bits in a pass of several rows as alone, as
-        far as the probe saw (see `probe_invariance`, run once per loaded model on first use):
-        what makes speculative output equal plain output bit for bit rather than up to a
-        near-tie. Only the target's rows decide the output.
+        """Whether llama.cpp gives a row the same bits in passes of up to max(PROBE_PASSES) rows
+        (a default draft's verify pass) as alone, at every cache length the probe passed at
+        (see `probe_invariance`, run once per loaded model on first use): what makes
+        speculative output equal plain output bit for bit rather than up to a near-tie. Only
+        the target's rows decide the output. Longer passes may still be capped (`row_cap`)."""
+        return self._probed_rows() >= max(PROBE_PASSES)
 
-        The verdict is kept with the pass timings (see `specdecode.pass_cache`), keyed by the
-        file, the repacking, the threads, the machine and llama.cpp's libraries and switches,
-        so that the probe runs once per such key rather than at every start."""
+    def _probed_rows(self) -> int:
+        """The probe's `invariant_rows`, probing on first use. The verdict is kept with the pass
+        timings (see `specdecode.pass_cache`), keyed by the file, the repacking, the threads, the
+        context, the machine and llama.cpp's libraries and switches, so that the probe runs
+        once per such key rather than at every start."""
         if self.model.probe is None:
             key = self._probe_key()
             stored = pass_cache.read_value(key, "probe") if key is not None else None
             try:
-                probe, rows = RowAgreement(*stored[:3]), int(stored[3])
+                probe, rows, wide = RowAgreement(*stored[:3]), int(stored[3]), bool(stored[4])
             except (TypeError, ValueError, IndexError):  # nothing stored, or not a verdict
-                probe, rows = self.probe_invariance(), self.model.invariant_rows
-                verdict = [probe.rows, probe.identical, probe.same_argmax, rows]
+                probe = self.probe_invariance()
+                rows, wide = self.model.invariant_rows, self.model.wide_rows_agree
+                verdict = [probe.rows, probe.identical, probe.same_argmax, rows, wide]
                 if key is not None:
                     pass_cache.write_value(key, "probe", verdict)
-            self.model.probe, self.model.invariant_rows = probe, rows
-        return self.model.probe.invariant
+            self.model.probe, self.model.invariant_rows, self.model.wide_rows_agree = probe, rows, wide
+        return self.model.invariant_rows
 
     def _probe_key(self) -> dict[str, object] | None:
-        key = pass_cache.cache_key(self, PROBE_PASSES) if pass_cache.enabled() else None
-        return None if key is None else {**key, "n_ctx": None, "probe": PROBE_FORMAT, "text": PROBE_TEXT}
+        key = pass_cache.cache_key(self, WIDE_PASSES) if pass_cache.enabled() else None
+        if key is None:
+            return None
+        return {**key, "n_ctx": probe_lengths(self.n_ctx), "probe": PROBE_FORMAT, "text": PROBE_TEXT}
 
     @property
     def row_cap(self) -> int | None:
@@ -347,9 +391,10 @@ class LlamaCppBackend:
         generation gives them, where exactness is asked for and the probe found the rows
         invariant only up to some pass size (at least 1: then nothing is drafted); None where
         passes of any probed size agree, or speed was asked for over exactness."""
-        if not self.exact or self.invariant:
+        if not self.exact:
             return None
-        return max(1, self.model.invariant_rows)
+        rows = self._probed_rows()
+        return None if rows >= max(WIDE_PASSES) else max(1, rows)
 
     @property
     def vouched_rows(self) -> int | None:
@@ -360,7 +405,7 @@ class LlamaCppBackend:
         if not self.exact:
             return None
         cap = self.row_cap
-        return max(PROBE_PASSES) if cap is None else cap
+        return max(WIDE_PASSES) if cap is None else cap
 
     def draft_room(self) -> int | None:
         """The most draft tokens the next verify pass may carry within `row_cap` (None: no
@@ -369,9 +414,10 @@ class LlamaCppBackend:
         return None if cap is None else max(0, cap - 1 - len(self._owed))
 
     def row_cap_note(self) -> str | None:
-        """The line a speculative run on this model is told when its drafts are capped."""
+        """The line a speculative run on this model is told when its drafts are capped below a
+        default draft's length (a cap on longer drafts only, such as ngram-mod's, goes unsaid)."""
         cap = self.row_cap
-        if cap is None:
+        if cap is None or cap >= max(PROBE_PASSES):
             return None
         where = f"in passes of up to {cap} rows" if cap > 1 else "in one-row passes"
         kept = f"drafts are capped at {cap - 1} tokens a step" if cap > 1 else "nothing is drafted"
@@ -385,7 +431,7 @@ class LlamaCppBackend:
         """What a speculative run on this model should be told when its rows are not invariant
         and exactness was given up (--passes bucketed; `trees`, whether it may draft trees,
         changes nothing: any multi-row pass may vary)."""
-        if self.exact or self.invariant:
+        if self.exact or self._probed_rows() >= max(WIDE_PASSES):
             return None
         probe, agreed = self.model.probe, self.model.invariant_rows
         return (
@@ -399,28 +445,63 @@ class LlamaCppBackend:
     def probe_invariance(self) -> RowAgreement:
         """Passes of the row counts in PROBE_PASSES, each over the next positions of a greedy
         continuation, against the rows plain generation scored for it one at a time, bit for
-        bit. Which kernel llama.cpp runs depends on the build, the weight types, the repacking
-        and the row count, and some round differently only for some inputs: hence new rows for
-        every pass, from the model's own text. In a context of its own: this backend's cache is
-        untouched."""
+        bit; then passes of every size in WIDE_PASSES at each cache length of `probe_lengths`
+        (up to this backend's context), against PROBE_ROWS rows scored one at a time there.
+        Which kernel llama.cpp runs depends on the build, the weight types, the repacking, the
+        threads, the row count and the cells cached, and some round differently only for some
+        inputs: hence new rows for every short pass, from the model's own text. A pass size is
+        vouched for (`invariant_rows`) where it and every smaller probed size agreed at every
+        length. In a context of its own: this backend's cache is untouched."""
         ids = self.tokenize(PROBE_TEXT)[:PROBE_CONTEXT]
         context, needed = len(ids), len(ids) + sum(PROBE_PASSES)
+        lengths = probe_lengths(self.n_ctx)
         probe = LlamaCppBackend(
-            self.model, n_ctx=needed, n_batch=self.n_batch, threads=self.threads, name=self.name
+            self.model,
+            n_ctx=max(needed, lengths[-1] + CLASS_PASS),
+            n_batch=self.n_batch,
+            threads=self.threads,
+            name=self.name,
         )
         rows = [probe.evaluate(ids)[-1]]
         while len(ids) < needed:
             ids.append(int(rows[-1].argmax()))
             rows.append(probe.evaluate(ids[-1:])[-1])
         alone = torch.stack(rows[1:])  # position context + i
-        agreement, start, self.model.invariant_rows = RowAgreement(0, 0, 0), context, 0
+        agreement, start, agreed = RowAgreement(0, 0, 0), context, dict.fromkeys(WIDE_PASSES, True)
         for k in PROBE_PASSES:
             probe.truncate(start)
             this_pass = RowAgreement.of(probe.evaluate(ids[start : start + k]), alone[start - context :][:k])
-            if this_pass.invariant and agreement.invariant:
-                self.model.invariant_rows = k
+            agreed[k] &= this_pass.invariant
             agreement += this_pass
             start += k
+        text = self.tokenize(PROBE_TEXT)
+        filler = [text[i % len(text)] for i in range(lengths[-1] + CLASS_PASS)]
+        probe.truncate(0)
+        firsts: list[dict[int, torch.Tensor]] = []  # per length: each pass's first rows
+        for length in lengths:
+            probe.truncate(length)
+            if len(probe.tokens) < length:
+                probe.evaluate(filler[len(probe.tokens) : length])
+            alone = torch.cat([probe.evaluate([token]) for token in filler[length : length + PROBE_ROWS]])
+            firsts.append({})
+            for k in (*WIDE_PASSES, CLASS_PASS):
+                probe.truncate(length)
+                together = probe.evaluate(filler[length : length + k])[:PROBE_ROWS]
+                firsts[-1][k] = together
+                if k in agreed:
+                    this_pass = RowAgreement.of(together, alone[: len(together)])
+                    agreed[k] &= this_pass.invariant
+                    agreement += this_pass
+        self.model.invariant_rows = 0
+        for k in sorted(agreed):
+            if not agreed[k]:
+                break
+            self.model.invariant_rows = k
+        wide = [k for k in (*WIDE_PASSES, CLASS_PASS) if k > self.model.invariant_rows]
+        common = min(PROBE_ROWS, wide[0])
+        self.model.wide_rows_agree = all(
+            torch.equal(rows[k][:common], rows[wide[0]][:common]) for rows in firsts for k in wide
+        )
         return agreement
 
     @classmethod
@@ -573,6 +654,7 @@ class LlamaCppBackend:
             outputs = self._decode(len(chunk))
             self._record_hidden(len(chunk))
             self._fresh.scored(position + start, len(chunk))
+            self._pass_rows.extend([len(chunk)] * len(chunk))
             if len(outputs):
                 out.append(outputs)
         self._tokens.extend(rows_in[owed:])
@@ -593,29 +675,56 @@ class LlamaCppBackend:
                 raise SpecdecodeError(f"{self.name}: llama.cpp cannot roll this model's cache back")
             self._owed.clear()
         del self._tokens[n:]
+        del self._pass_rows[n:]
         self._fresh.truncate(n)
         if self._hidden is not None:
             self._hidden.truncate(n)
 
-    def reusable_prefix(self, cached: int) -> int:
+    def reusable_prefix(self, cached: int, prompt_length: int | None = None) -> int:
         """How many of the first `cached` positions (which hold a new prompt's tokens) the
-        prompt may keep: the longest run of whole chunks that a fresh context would have scored
-        in the same passes. The prompt's remaining chunks then start where a fresh run's do, so
-        every pass, its last one included, has the shape it has in a fresh run, on the same
-        cached bits: the same output, bit for bit, in any build. Keeping the last prompt row's
-        logits instead would serve only the same prompt again, and scoring that row in a pass
-        of its own would still leave the rows before it (in the cache, read by every later row)
-        from a pass of another shape whenever the cached prefix ends elsewhere. The price: a
-        prompt shorter than `n_batch` is scored whole each time."""
-        return self._fresh.reusable(cached)
+        prompt of `prompt_length` tokens may keep so that every row gets the bits a fresh
+        context gives it: in any build, the longest run of whole chunks a fresh context would
+        have scored in the same passes (the prompt's remaining chunks then start where a fresh
+        run's do, so every pass has the shape it has in a fresh run, on the same cached bits).
+
+        More where the probe found two classes of passes, each giving a row the same bits
+        whatever its size (`LlamaModel.wide_rows_agree`): those of up to `vouched_rows` rows,
+        and the wider ones (llama.cpp's CPU flash attention, one thread: below and from 64
+        query rows). Then a cached position is as good as a fresh run's where the pass that
+        scored it and every position before it was of the class of the fresh run's chunk, and
+        the rest of the prompt is scored in passes of the fresh run's classes: from a chunk
+        boundary, or inside the fresh run's last chunk as one pass of its class (a wide last
+        chunk leaves at least `vouched_rows` + 1 rows to score). A prompt scored before
+        mostly keeps all but its last few dozen tokens, where whole chunks kept none of a
+        prompt shorter than `n_batch`."""
+        whole = self._fresh.reusable(cached)
+        if whole == cached or prompt_length is None:
+            return whole
+        small = self.vouched_rows
+        if small is None or not self.model.wide_rows_agree:
+            return whole
+        n_batch, last_start = self.n_batch, (prompt_length - 1) // self.n_batch * self.n_batch
+
+        def fresh_small(position: int) -> bool:
+            return min(n_batch, prompt_length - position // n_batch * n_batch) <= small
+
+        keep = 0
+        limit = min(cached, len(self._pass_rows))
+        while keep < limit and (self._pass_rows[keep] <= small) == fresh_small(keep):
+            keep += 1
+        if keep > last_start and not fresh_small(last_start):
+            keep = min(keep, prompt_length - small - 1)
+        if keep <= last_start:
+            keep = keep // n_batch * n_batch
+        return max(keep, whole)
 
     def evaluate_tree(self, ids: Sequence[int], parents: Sequence[int]) -> torch.Tensor:
         """See `specdecode.backends.Backend.evaluate_tree` and the module's docstring."""
         prefix = len(self._tokens)
         check_tree_room(self.name, prefix, len(self._tree), len(ids), self.n_ctx)
-        if len(self._tree) + len(ids) >= MAX_SEQUENCES:
+        if len(self._tree) + len(ids) >= SPARE_SEQUENCE:
             raise SpecdecodeError(
-                f"{self.name}: a token tree of more than {MAX_SEQUENCES - 1} nodes does not fit "
+                f"{self.name}: a token tree of more than {SPARE_SEQUENCE - 1} nodes does not fit "
                 "llama.cpp's sequences here (use fewer draft tokens)"
             )
         if len(self._owed) + len(ids) > self._batch_rows:
@@ -642,6 +751,7 @@ class LlamaCppBackend:
             self._set_row(row, self._tree.tokens[node], position, members[node], True)
         logits = self._decode(owed + len(ids))
         self._record_hidden(owed)  # the owed path's rows; tree nodes are not cached positions
+        self._pass_rows.extend([owed + len(ids)] * owed)
         return logits
 
     def commit(self, path: Sequence[int]) -> None:
@@ -709,6 +819,7 @@ class LlamaCppBackend:
             self._set_row(row, token, position + row, (self._sequence,), False)
         self._decode(len(owed))
         self._record_hidden(len(owed))
+        self._pass_rows.extend([len(owed)] * len(owed))
         self._owed = []
 
     def _drop_tree(self) -> None:
@@ -726,10 +837,25 @@ class LlamaCppBackend:
         batch.logits[row] = output
 
     def _decode(self, rows: int) -> torch.Tensor:
-        """Run the batch's first `rows` rows; the logits of its output rows, in row order."""
-        self._batch.n_tokens = rows
+        """Run the batch's first `rows` rows; the logits of its output rows, in row order.
+
+        With several threads, llama.cpp's CPU flash attention splits a one-row pass over 512
+        cells or more among them and adds their parts, which rounds a row otherwise than a pass
+        of several rows: so a one-row pass gets a second row, the same token at the same
+        position in the spare sequence, which sees only itself and is removed after the pass
+        (from PAD_FROM on: it costs a one-row pass of the bundled target about a third more).
+        With one thread the split is one part, the same bits, and nothing is added. The probe
+        checks the outcome at every length."""
+        padded = (
+            rows == 1 and self.threads != 1 and self.pads_one_row_passes and self._batch.pos[0] >= PAD_FROM
+        )
+        if padded:
+            self._set_row(1, self._batch.token[0], self._batch.pos[0], (SPARE_SEQUENCE,), False)
+        self._batch.n_tokens = rows + padded
         outputs = sum(1 for row in range(rows) if self._batch.logits[row])
         status = llama_cpp.llama_decode(self._context, self._batch)
+        if padded:
+            llama_cpp.llama_memory_seq_rm(self._memory, SPARE_SEQUENCE, -1, -1)
         if status != 0:
             raise SpecdecodeError(f"{self.name}: llama_decode failed (status {status})")
         if not outputs:
@@ -758,6 +884,7 @@ class SharedLlamaCppBackend(LlamaCppBackend):
     states (EAGLE-3): a head's target keeps contexts of its own."""
 
     takes_trees = False
+    pads_one_row_passes = False  # no spare sequence: each sequence has a KV stream of its own
 
     @property
     def pass_key(self) -> object:
@@ -815,6 +942,7 @@ class SharedLlamaCppBackend(LlamaCppBackend):
         start = 0
         for index in order:
             group, backend = groups[index], groups[index].backend
+            backend._pass_rows.extend([row] * (len(backend._owed) + len(group.ids)))
             backend._tokens.extend(group.ids)
             backend._owed.clear()
             out[index] = logits[start : start + group.wanted]

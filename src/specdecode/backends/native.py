@@ -484,7 +484,7 @@ class NativeBackend(HFBackend):
         # Per layer, which node's keys and values fill each slot after the prefix (tree passes).
         self._windows: list[list[int]] = [[] for _ in self.weights.layers]
 
-    def reusable_prefix(self, cached: int) -> int:
+    def reusable_prefix(self, cached: int, prompt_length: int | None = None) -> int:
         """Every cached position: rows are computed alike in passes of any shape."""
         return cached
 
