@@ -9,7 +9,9 @@ plain generation of the same target and recorded in the exactness log.
 from __future__ import annotations
 
 import json
+import math
 import re
+import time
 
 import jsonschema
 import pytest
@@ -389,3 +391,126 @@ def test_bench_constrained_cases() -> None:
     for case in cases:
         assert json.dumps(case.schema) in case.prompt
         constraint_for(ConstraintSpec("json_schema", json.dumps(case.schema)))
+
+
+# --------------------------------------------------------------------------- what a constraint may cost
+
+
+def chain(n: int) -> str:
+    """A GBNF grammar of n + 2 rules, each naming the next: at a few thousand, the engine's
+    recursion over it overflows the stack (a segmentation fault)."""
+    return "root ::= r0\n" + "".join(f'r{i} ::= "a" r{i + 1} | "b"\n' for i in range(n)) + f'r{n} ::= "b"\n'
+
+
+def ref_chain(n: int) -> str:
+    """A JSON schema of n $refs, each definition naming the next."""
+    defs = {
+        f"d{i}": {"type": "array", "items": {"$ref": f"#/$defs/d{i + 1}"}, "maxItems": 1}
+        for i in range(n - 1)
+    }
+    return json.dumps({"$ref": "#/$defs/d0", "$defs": {**defs, f"d{n - 1}": {"type": "integer"}}})
+
+
+def nested(n: int, inner: str = '"b"') -> str:
+    return "(a" * n + inner + ")" * n
+
+
+@pytest.mark.parametrize(
+    ("kind", "text", "message"),
+    [
+        ("grammar", chain(5000), "it has 5002 rules (at most 500)"),
+        ("grammar", "%llguidance {}\nstart: r0\n" + "".join(f'r{i}: "a"\n' for i in range(500)), "501 rul"),
+        ("grammar", "root ::= " + nested(101).replace("(a", '("a" '), "parentheses nest 101 deep"),
+        ("regex", nested(101, "b"), "parentheses nest 101 deep"),
+        ("json_schema", ref_chain(201), "it has 201 $refs (at most 200)"),
+        ("json_schema", '{"enum": ' + "[" * 100 + "]" * 100 + "}", "it nests 101 deep"),
+        ("regex", "a" * 1_000_001, "1000001 characters long"),
+    ],
+)
+def test_constraints_past_the_limits_are_refused(kind, text, message) -> None:
+    with pytest.raises(SpecdecodeError, match=re.escape(message)):
+        ConstraintSpec(kind, text).grammar()
+
+
+@pytest.mark.parametrize(
+    ("kind", "text"),
+    [
+        ("grammar", chain(498)),
+        ("grammar", "root ::= " + nested(100).replace("(a", '("a" ')),
+        ("grammar", 'root ::= "(((" [(] "#" x\nx ::= "y" # ((((\n'),
+        ("regex", nested(100, "b")),
+        ("json_schema", ref_chain(200)),
+    ],
+)
+def test_constraints_at_the_limits_compile(kind, text) -> None:
+    constraint_for(ConstraintSpec(kind, text))
+
+
+def test_the_gbnf_check_takes_time_linear_in_the_rules() -> None:
+    """20,000 chained rules (past the limit, checked alone): the check walks each rule once,
+    where a fixpoint over every rule per round took minutes."""
+    from specdecode.grammars import _check_gbnf
+
+    start = time.process_time()
+    _check_gbnf(chain(20_000))
+    assert time.process_time() - start < 15.0
+    with pytest.raises(SpecdecodeError, match="no text matches rule 'r5000'"):
+        _check_gbnf(chain(5000).replace('r5000 ::= "b"', 'r5000 ::= "b" r5000'))
+
+
+# --------------------------------------------------------------------------- a bias against the grammar
+
+
+def forced_step(spec: ConstraintSpec, tokens: list[int]) -> tuple[int, int]:
+    """The last position in tokens (a constrained output) where the grammar allows one token
+    alone, one not met before it, and that token."""
+    constraint = constraint_for(spec)
+    found = None
+    for index, token in enumerate(tokens):
+        allowed = constraint.allowed()
+        if allowed is not None and int(allowed.sum()) == 1 and token not in tokens[:index]:
+            found = index, token
+        constraint.advance(token)
+    assert found is not None, "no forced token"
+    return found
+
+
+@pytest.mark.parametrize("verify", ["match", "rejection"])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_bias_against_the_only_token_a_grammar_allows_ends_the_generation(
+    exactness_log, temperature, verify
+) -> None:
+    """A bias of -inf on the one token a JSON schema allows next: the generation ends there
+    ("no allowed token"), in plain and speculative generation alike, before that token."""
+    spec = CONSTRAINTS["person"]
+    sampling = SamplingParams(temperature=temperature, seed=3)
+    config = GenerationConfig(n_predict=48, verify=verify)
+    free = Pipeline(backend(target_model(TargetSpec()))).generate("x", sampling, config, spec)
+    index, token = forced_step(spec, free.tokens)
+    biased = SamplingParams(temperature=temperature, seed=3, logit_bias=((token, -math.inf),))
+    plain = Pipeline(backend(target_model(TargetSpec()))).generate("x", biased, config, spec)
+    assert plain.stats.stop_reason == "no allowed token" and token not in plain.tokens
+    assert plain.tokens == free.tokens[:index] and index > 8
+    for types in (["draft"], ["forced"], ["ngram-simple", "draft"]):
+        pipe = Pipeline(
+            backend(target_model(TargetSpec())),
+            backend(draft_model(TargetSpec(), 0.02)),
+            spec_types=types,
+            ngram=SHORT_NGRAMS,
+        )
+        result = pipe.generate("x", biased, config, spec)
+        if verify == "match" or temperature == 0:
+            check_same(result, plain)
+        assert result.stats.stop_reason == "no allowed token" and token not in result.tokens
+        stats = result.stats
+        exactness_log.record("constrained/bias", f"{','.join(types)} {verify}", stats, stats.stop_reason)
+
+
+def test_a_bias_banning_every_token_ends_the_generation_at_once() -> None:
+    target = backend(target_model(TargetSpec()))
+    ban = tuple((token, -math.inf) for token in range(target.vocab.size))
+    pipe = Pipeline(target, backend(draft_model(TargetSpec(), 0.02)))
+    for temperature in (0.0, 1.0):
+        sampling = SamplingParams(temperature=temperature, logit_bias=ban)
+        result = pipe.generate("x", sampling, GenerationConfig(n_predict=8))
+        assert result.tokens == [] and result.text == "" and result.stats.stop_reason == "no allowed token"

@@ -15,6 +15,7 @@ from scipy import stats
 
 from specdecode.errors import SpecdecodeError
 from specdecode.sampling import (
+    NO_TOKEN,
     Sampler,
     SamplingParams,
     apply_penalties,
@@ -569,3 +570,43 @@ def test_greedy_token_is_numpys_argmax_on_cpu_floats_and_torchs_elsewhere():
     assert greedy_token(torch.tensor([float("nan"), 3.0, float("nan")]), greedy, []) == int(
         torch.argmax(torch.tensor([float("nan"), 3.0, float("nan")]))
     )
+
+
+# --------------------------------------------------------------------------- a row that allows no token
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize(
+    "kwargs", [{"temperature": 0.0}, {"temperature": 0.8}, {"temperature": 1.0, **PLAIN}]
+)
+def test_a_row_that_allows_no_token_samples_no_token_without_a_draw(kwargs, dtype):
+    """Every logit -inf once the bias is added (here: the bias bans the three tokens a
+    grammar's mask left): nothing is drawn, and the generation is to end there."""
+    row = torch.tensor([1.0, -math.inf, 2.0, 0.5, -math.inf], dtype=dtype)
+    p = SamplingParams(**kwargs, seed=1, logit_bias=((0, -math.inf), (2, -math.inf), (3, -math.inf)))
+    counting = CountingSampler(p)
+    assert counting.sample(row, [1]) == NO_TOKEN and counting.n_uniform == 0
+    assert greedy_token(row, p, []) == NO_TOKEN
+    ids, probs = candidates(row, p, [])
+    assert len(ids) == len(probs) == 0
+    assert not distribution(row, p, []).any()
+    assert counting.draw(torch.zeros(5, dtype=torch.float64)) == NO_TOKEN and counting.n_uniform == 0
+    # one token left unbanned is the only one ever sampled
+    lenient = SamplingParams(**kwargs, seed=1, logit_bias=((0, -math.inf), (2, -math.inf)))
+    assert {Sampler(lenient).sample(row, []) for _ in range(20)} == {3}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_a_bias_past_the_dtypes_range_saturates_and_never_lifts_a_masked_token(dtype):
+    """Biases of 1e300 (finite, past every dtype's range) on tokens 1 and 3, and on token 2,
+    which a grammar's mask holds at -inf: tokens 1 and 3 share the mass; 2 is never drawn."""
+    row = torch.tensor([0.5, 1.0, -math.inf, 2.0, 0.0], dtype=dtype)
+    bias = ((1, 1e300), (2, 1e300), (3, 1e300), (3, 1e300))
+    for kwargs in ({"temperature": 0.0}, {"temperature": 1.0, **PLAIN}):
+        p = SamplingParams(**kwargs, seed=2, logit_bias=bias)
+        probs = distribution(row, p, [])
+        assert not probs.isnan().any() and probs[2] == 0.0
+        if p.greedy:
+            assert greedy_token(row, p, []) == 1
+        else:
+            assert probs[1] == probs[3] == 0.5

@@ -10,6 +10,7 @@ compared with constrained plain generation of the library. Bad schemas and gramm
 from __future__ import annotations
 
 import json
+import math
 import random
 from collections import Counter
 from collections.abc import Iterator
@@ -19,7 +20,16 @@ import pytest
 from conftest import TargetSpec, cached_tokenizer, draft_model, target_model
 from fastapi.testclient import TestClient
 
-from specdecode import ConstraintSpec, DraftModelConfig, GenerationConfig, HFBackend, Pipeline, SamplingParams
+from specdecode import (
+    ConstraintSpec,
+    DraftModelConfig,
+    GenerationConfig,
+    HFBackend,
+    Pipeline,
+    SamplingParams,
+    grammars,
+)
+from specdecode.constraints import Constraint
 from specdecode.server.app import ServerSettings, create_app
 
 SPEC = TargetSpec()
@@ -232,3 +242,101 @@ def test_streamed_answers_validate(client) -> None:
             text = "".join(piece["content"] for piece in pieces if not piece["stop"])
         assert text == whole
         jsonschema.validate(json.loads(text), schema)
+
+
+# --------------------------------------------------------------------------- costly constraints
+
+
+def chain(n: int) -> str:
+    """n + 2 GBNF rules, each naming the next (153 KB at 5,000): the grammar engine's recursion
+    over a few thousand overflows its stack."""
+    return "root ::= r0\n" + "".join(f'r{i} ::= "a" r{i + 1} | "b"\n' for i in range(n)) + f'r{n} ::= "b"\n'
+
+
+def test_a_grammar_of_5000_chained_rules_is_a_400_and_the_server_lives(client) -> None:
+    response = client.post("/completion", json={"prompt": "x", "n_predict": 4, "grammar": chain(5000)})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "grammar" and "5002 rules (at most 500)" in error["message"]
+    assert client.get("/health").status_code == 200
+
+
+def test_a_grammar_that_crashes_the_engine_takes_down_only_the_checking_process(client, monkeypatch) -> None:
+    """Checked on a 256 KiB stack, 450 chained rules (within the limits) crash the grammar
+    engine: the child process that checks it dies, the server refuses the grammar and goes on,
+    and the next grammar is checked by a new child."""
+    monkeypatch.setattr(grammars, "CHECK_STACK", 256 * 1024)
+    for checker in grammars._CHECKER:
+        checker.stop()
+    try:
+        response = client.post("/completion", json={"prompt": "x", "n_predict": 4, "grammar": chain(450)})
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["message"] == "invalid grammar: the grammar engine crashed on it"
+        assert client.get("/health").status_code == 200
+        body = {"prompt": "x", "n_predict": 8, "temperature": 0, "grammar": 'root ::= "ok" [0-9]'}
+        reply = client.post("/completion", json=body)
+        assert reply.status_code == 200 and reply.json()["content"][:2] == "ok"
+    finally:
+        for checker in grammars._CHECKER:
+            checker.stop()
+
+
+# --------------------------------------------------------------------------- logit_bias
+
+
+@pytest.mark.parametrize(
+    "bias",
+    [
+        {"\ud800": 1},
+        [["a\udc00", -1]],
+        {"9" * 30: 1},
+        [[5, 10**400]],
+        {str(token): False for token in range(SPEC.vocab_size)},
+        [[token, False] for token in range(SPEC.vocab_size)],
+    ],
+)
+@pytest.mark.parametrize("extra", [{}, {"grammar": 'root ::= "a" [0-9]*'}])
+def test_bad_logit_biases_are_400s(client, bias, extra) -> None:
+    """A lone surrogate in a text, an id or a bias past any range, and a bias that keeps every
+    token out (alone or with a grammar): 400s that name logit_bias."""
+    body = {"prompt": "x", "n_predict": 4, "logit_bias": bias, **extra}
+    response = client.post("/completion", content=json.dumps(body))
+    assert response.status_code == 400, response.text
+    assert "logit_bias" in json.dumps(response.json()["error"])
+
+
+@pytest.mark.parametrize("key", ["--5", "²", "-", "0x5", " 5"])
+def test_logit_bias_keys_that_are_not_ids_are_texts(client, key) -> None:
+    """As llama-server reads them: a key of anything but ASCII digits is a text, each of its
+    tokens biased; the answer is plain generation's with that bias."""
+    tokenizer = cached_tokenizer()
+    ids = tokenizer.encode(key, add_special_tokens=False)
+    body = {"prompt": "def f(x):", "n_predict": 12, "temperature": 0, "logit_bias": {key: False}}
+    response = client.post("/completion", json={**body, "return_tokens": True})
+    assert response.status_code == 200, response.text
+    sampling = SamplingParams(temperature=0, logit_bias=tuple((token, -math.inf) for token in ids))
+    expected = pipeline([]).generate("def f(x):", sampling, GenerationConfig(n_predict=12))
+    assert response.json()["tokens"] == expected.tokens
+
+
+def test_a_bias_against_the_only_token_a_schema_allows_ends_the_answer(client) -> None:
+    """The schema's answer must go on with one token, which the bias keeps out: the answer ends
+    there, as plain generation does ("no allowed token"), and never holds that token."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    spec = ConstraintSpec("json_schema", json.dumps(schema))
+    free = pipeline([]).generate("x", SamplingParams(temperature=0), GenerationConfig(n_predict=32), spec)
+    constraint = Constraint.for_backend(spec, pipeline([]).target)
+    forced = []
+    for token in free.tokens:
+        allowed = constraint.allowed()
+        if allowed is not None and int(allowed.sum()) == 1:
+            forced.append(token)
+        constraint.advance(token)
+    banned = forced[-1]
+    sampling = SamplingParams(temperature=0, logit_bias=((banned, -math.inf),))
+    expected = pipeline([]).generate("x", sampling, GenerationConfig(n_predict=32), spec)
+    assert expected.stats.stop_reason == "no allowed token" and banned not in expected.tokens
+    body = {"prompt": "x", "n_predict": 32, "temperature": 0, "json_schema": schema, "return_tokens": True}
+    reply = client.post("/completion", json={**body, "logit_bias": [[banned, False]]}).json()
+    assert reply["tokens"] == expected.tokens and reply["content"] == expected.text
+    assert reply["stop_type"] == "eos"

@@ -27,204 +27,28 @@ model asked for are not computed again when the same positions are verified.
 
 from __future__ import annotations
 
-import json
-import threading
 import time
-import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
-from types import ModuleType
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from specdecode.errors import SpecdecodeError, require
+from specdecode.errors import SpecdecodeError
+from specdecode.grammars import (
+    ConstraintSpec,
+    compile_constraint,
+    engine,
+    grammar_tokenizer,
+    one_line,
+    parser_limits,
+)
 from specdecode.strategies.base import Draft, path_to
 
 if TYPE_CHECKING:
     import llguidance
 
-KINDS = ("grammar", "json_schema", "regex")
-JSON_OPTIONS = {"whitespace_flexible": False}
-FEATURE = "constrained generation (a grammar, JSON schema or regex)"
-# The most alternatives one GBNF rule may have. The engine puts a rule's alternatives in one row
-# of its parser, and fails at the first token whose row holds more items than its limit; rows
-# are sized with room for the items around the largest rule.
-MAX_ALTERNATIVES = 2000
-ROW_ITEMS = 2 * MAX_ALTERNATIVES
-PROBED_FIRST_TOKENS = 4096  # the most first tokens tried when a grammar is compiled
-
-
-def _engine(module: str = "llguidance") -> ModuleType:
-    """llguidance (or one of its modules), imported by the first constraint: generation without
-    one never loads it, and runs where it is not installed."""
-    return require(module, FEATURE)
-
-
-def _limits() -> llguidance.LLParserLimits:
-    """The engine's limits: its defaults, with rows for MAX_ALTERNATIVES and what surrounds them."""
-    return _engine().LLParserLimits(max_items_in_row=ROW_ITEMS)
-
-
-def _check_gbnf(gbnf: str) -> None:
-    """Refuse what the engine accepts in a GBNF grammar and fails on only as it generates:
-
-    - a rule (or group) with more alternatives than MAX_ALTERNATIVES, which fails when a row
-      of its parser first holds them all (rules of terminals alone are compiled into the
-      lexer, where alternatives cost no row);
-    - a rule that matches no text (`x ::= "a" x`): from the root, it runs the parser out of
-      items; below it, it ends the output where it must go on."""
-    converter = _engine("llguidance.gbnf_to_lark")
-    rules = converter.GrammarParser().parse(gbnf)
-    names = {id(rule): rule.name for rule in rules.values()}  # resolve renames them
-    converter.resolve(rules)
-    for rule in rules.values():
-        if rule.rule_is_terminal:
-            continue
-        nodes = [rule.alternatives]
-        while nodes:
-            node = nodes.pop()
-            if isinstance(node, converter.AlternativeNode) and len(node.alternatives) > MAX_ALTERNATIVES:
-                raise SpecdecodeError(
-                    f"invalid grammar: rule {names[id(rule)]!r} has {len(node.alternatives)} alternatives "
-                    f"(at most {MAX_ALTERNATIVES})"
-                )
-            nodes.extend(node.children())
-    matching: set[int] = set()  # ids of the rules known to match some text
-
-    def matches(node) -> bool:
-        if isinstance(node, converter.RuleRefNode):
-            return id(node.target) in matching
-        if isinstance(node, converter.RepetitionNode):
-            return node.min_times == 0 or matches(node.node)
-        if isinstance(node, converter.SequenceNode):
-            return all(matches(child) for child in node.nodes)
-        if isinstance(node, converter.AlternativeNode):
-            return any(matches(child) for child in node.alternatives)
-        return True  # a literal or a character class
-
-    while grown := [
-        rule for rule in rules.values() if id(rule) not in matching and matches(rule.alternatives)
-    ]:
-        matching.update(id(rule) for rule in grown)
-    for rule in rules.values():
-        if id(rule) not in matching:
-            name = names[id(rule)]
-            raise SpecdecodeError(
-                "invalid grammar: no text matches " + ("it" if name == "root" else f"rule {name!r}")
-            )
-
-
-@dataclass(frozen=True)
-class ConstraintSpec:
-    """What the output must match: kind "grammar" (GBNF, or Lark with a `%llguidance` header),
-    "json_schema" (a schema, as JSON text) or "regex"; text is the grammar, schema or pattern."""
-
-    kind: str
-    text: str
-
-    def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise SpecdecodeError(f"unknown constraint kind {self.kind!r} (choose from {', '.join(KINDS)})")
-
-    @classmethod
-    def json_object(cls) -> ConstraintSpec:
-        """Any JSON object (OpenAI's `json_object`)."""
-        return cls("json_schema", json.dumps({"type": "object"}))
-
-    def grammar(self) -> str:
-        """The llguidance grammar; a SpecdecodeError for text that is not a grammar of its kind
-        (checked fully against a tokenizer when compiled)."""
-        matcher = _engine().LLMatcher
-        try:
-            if self.kind == "regex":
-                return matcher.grammar_from_regex(self.text)
-            if self.kind == "json_schema":
-                schema = json.loads(self.text)
-                if not isinstance(schema, dict):
-                    raise SpecdecodeError("a JSON schema must be a JSON object")
-                # Compact JSON ("," and ":" between items, no other whitespace) unless the
-                # schema's own "x-guidance" options say otherwise.
-                return matcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
-            # GBNF's converter reports a bad grammar with any exception (a bare Exception included).
-            converter = _engine("llguidance.gbnf_to_lark")
-            if not converter.is_lark_syntax(self.text):
-                _check_gbnf(self.text)
-            return matcher.grammar_from_lark(converter.any_to_lark(self.text))
-        except SpecdecodeError:
-            raise
-        except Exception as exc:
-            raise SpecdecodeError(f"invalid {self.kind.replace('_', ' ')}: {one_line(str(exc))}") from exc
-
-
-def one_line(message: str) -> str:
-    """An engine's multi-line message (with its caret drawings) as one line."""
-    return " ".join(message.split())
-
-
-# One llguidance tokenizer per Hugging Face tokenizer object: building one reads the whole
-# vocabulary (about a second for a large one), and a server's slots share it.
-_TOKENIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_TOKENIZERS_LOCK = threading.Lock()
-
-
-def grammar_tokenizer(hf_tokenizer, vocab_size: int, eos_id: int | None) -> llguidance.LLTokenizer:
-    """The llguidance view of a fast Hugging Face tokenizer whose model has vocab_size logits."""
-    with _TOKENIZERS_LOCK:
-        cached = _TOKENIZERS.get(hf_tokenizer)
-        if cached is None:
-            try:
-                cached = _engine("llguidance.hf").from_tokenizer(
-                    hf_tokenizer, n_vocab=vocab_size, eos_token=eos_id
-                )
-            except ValueError as exc:
-                raise SpecdecodeError(f"constrained generation needs a fast tokenizer: {exc}") from exc
-            _TOKENIZERS[hf_tokenizer] = cached
-        return cached
-
-
-def compile_constraint(spec: ConstraintSpec, tokenizer: llguidance.LLTokenizer) -> str:
-    """The checked grammar of spec: a SpecdecodeError names what is wrong with it.
-
-    Besides the engine's checks (which refuse unsatisfiable JSON schemas), the grammar must
-    allow a first token: one whose language is empty (`root ::= root "a"`, a regex of an empty
-    class) fails where its first mask is computed. One that matches the empty text allows
-    end-of-generation there, and is kept."""
-    what = f"invalid {spec.kind.replace('_', ' ')}"
-    grammar = spec.grammar()
-    engine = _engine()
-    error = engine.LLMatcher.validate_grammar(grammar, tokenizer, limits=_limits())
-    if error and not error.startswith("WARNING"):
-        raise SpecdecodeError(f"{what}: {one_line(error)}")
-    matcher = engine.LLMatcher(tokenizer, grammar, log_level=0, limits=_limits())
-    first = matcher.compute_bitmask()
-    if matcher.is_error():
-        error = matcher.get_error()
-        # The engine's word for a start state from which no byte, and no end, can follow.
-        empty = "NoExtensionBias" in error
-        raise SpecdecodeError(f"{what}: {'no text matches it' if empty else one_line(error)}")
-    error = _first_token_error(matcher, first)
-    if error is not None:
-        raise SpecdecodeError(
-            f"{what}: the grammar engine's limits are exceeded at the first token ({error})"
-        )
-    return grammar
-
-
-def _first_token_error(matcher: llguidance.LLMatcher, bitmask: bytes) -> str | None:
-    """The engine's error on any allowed first token, tried one by one and rolled back: a rule
-    with more alternatives than a parser row holds (a JSON schema's large anyOf, a Lark rule,
-    which the GBNF check does not see) fails there, where generation would fail at its first
-    step. Such a rule met later in the output is found only when reached."""
-    allowed = np.flatnonzero(np.unpackbits(np.frombuffer(bitmask, dtype=np.uint8), bitorder="little"))
-    for token in allowed[:PROBED_FIRST_TOKENS].tolist():
-        consumed = matcher.try_consume_tokens([token])
-        if matcher.is_error():
-            return one_line(matcher.get_error().split("<state>")[0])
-        if consumed:
-            matcher.rollback(consumed)
-    return None
+__all__ = ["Constraint", "ConstraintSpec", "compile_constraint", "grammar_tokenizer"]
 
 
 class Constraint:
@@ -235,7 +59,7 @@ class Constraint:
 
     def __init__(self, grammar: str, tokenizer: llguidance.LLTokenizer, vocab_size: int) -> None:
         """grammar: from `compile_constraint`; vocab_size: rows of the target's logits."""
-        self._matcher = _engine().LLMatcher(tokenizer, grammar, log_level=0, limits=_limits())
+        self._matcher = engine().LLMatcher(tokenizer, grammar, log_level=0, limits=parser_limits())
         if self._matcher.is_error():
             raise SpecdecodeError(f"invalid grammar: {one_line(self._matcher.get_error())}")
         self.vocab_size = vocab_size

@@ -18,7 +18,8 @@ in a batch. The prompt enters the cache a chunk at a time (`prefill_step`) for t
 
 Under a constraint (`specdecode.constraints`) every logits row is masked with the grammar's
 state before the sampler reads it, in plain and speculative steps alike, and each emitted
-token advances that state; a complete grammar ends the generation ("grammar").
+token advances that state; a complete grammar ends the generation ("grammar"). A row that allows
+no token (the logit bias bans every token the grammar allows) ends it too ("no allowed token").
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from specdecode.chain import Chain
 from specdecode.constraints import Constraint
 from specdecode.errors import SpecdecodeError
 from specdecode.policy import ALONE, PassLoad, PassShare
-from specdecode.sampling import Sampler
+from specdecode.sampling import NO_TOKEN, Sampler
 from specdecode.stats import GenerationStats
 from specdecode.strategies import Draft
 from specdecode.text import TextAssembler
@@ -93,6 +94,9 @@ class Chunk:
     # applied), for a generation that keeps them (`Generation.keep_logits`): what token
     # probabilities are reported from.
     logits: torch.Tensor | None = None
+    # Where each token's share of `text` ends (the text its arrival made safe to show, the
+    # last token's with what its stop flushed); text past the last end came with no token.
+    ends: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -333,20 +337,27 @@ class Generation:
         logits rows the tokens were chosen from (kept when `keep_logits`)."""
         kept: list[int] = []
         text = ""
+        ends: list[int] = []
         for token in emitted:
+            if token == NO_TOKEN:  # its row allowed none: the logit bias bans all a grammar allows
+                self.stats.stop_reason = "no allowed token"
+                text += self._text.finish()
+                break
             kept.append(token)
             self.tokens.append(token)
             self.stats.n_generated += 1
             text += self._text.push(token)
+            ends.append(len(text))
             if self.constraint is not None:
                 self.constraint.advance(token)
             self.stats.stop_reason = self._stop_reason(token)
             if self.stats.stop_reason:
                 text += self._text.finish()
+                ends[-1] = len(text)
                 break
         # a copy: a backend may reuse the buffer its rows are views of in its next pass
         kept_rows = rows[: len(kept)].clone() if self.keep_logits and rows is not None else None
-        return Chunk(kept, text, len(draft.tokens), n_accepted, draft.strategy, kept_rows)
+        return Chunk(kept, text, len(draft.tokens), n_accepted, draft.strategy, kept_rows, ends)
 
     def _stop_reason(self, token: int) -> str:
         """Why the text ends after token ("" where it goes on). A stop string that the token
@@ -374,7 +385,7 @@ def reusable_prompt_prefix(target: Backend, prompt: Sequence[int]) -> int:
     `reusable_prefix`, e.g. `LlamaCppBackend.reusable_prefix`)."""
     cached = min(common_prefix(target.tokens, prompt), len(prompt) - 1)
     reusable = getattr(target, "reusable_prefix", None)
-    return cached if reusable is None else reusable(cached)
+    return cached if reusable is None else reusable(cached, len(prompt))
 
 
 def solo_chunk_rows(target: Backend, prompt_length: int) -> int:

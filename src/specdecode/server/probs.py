@@ -11,6 +11,7 @@ chat (`logprobs.content`) and on completions (the legacy `tokens`, `token_logpro
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -24,6 +25,8 @@ from specdecode.server.errors import APIError
 from specdecode.server.schemas import LogitBias
 from specdecode.server.tokens import decode
 from specdecode.text import INCOMPLETE
+
+TOKEN_ID = re.compile(r"-?[0-9]+")  # a logit_bias key that names a token id (ASCII digits only)
 
 
 @dataclass(frozen=True)
@@ -139,15 +142,17 @@ def best_by_text(alternatives: Sequence[Alternative]) -> dict[str, float]:
     return best
 
 
-def within_text(scored: list[Scored], text: str) -> list[Scored]:
-    """The entries whose tokens the text holds: those after the point where a stop string cut
-    the text are left out."""
+def within_text(scored: Sequence[Scored], n_chars: int) -> list[Scored]:
+    """The first entries whose texts all lie within the next `n_chars` characters of the
+    answer: a token whose text a stop string cut (or is held back for one) is left out, as is
+    a token of a character not yet complete there (its text is "")."""
     kept, offset = [], 0
     for entry in scored:
-        if offset >= len(text) and entry.token.text:
+        end = offset + len(entry.token.text)
+        if end > n_chars or end == offset == n_chars:
             break
         kept.append(entry)
-        offset += len(entry.token.text)
+        offset = end
     return kept
 
 
@@ -163,29 +168,47 @@ def logit_bias(
     tokenizer: PreTrainedTokenizerBase, spec: LogitBias, vocab_size: int
 ) -> tuple[tuple[int, float], ...]:
     """(token id, bias) pairs from OpenAI's {"id": bias} or llama-server's [[id or text, bias]]
-    (a text biases each of its tokens; a bias of false keeps the token out)."""
+    (a text biases each of its tokens; a bias of false keeps the token out). A key of ASCII
+    digits is a token id, any other a text, as in llama-server ("²" and "--5" are texts). A
+    bias that keeps every token out is refused: nothing could be generated."""
     items = list(spec.items()) if isinstance(spec, dict) else [tuple(pair) for pair in spec]
     pairs: list[tuple[int, float]] = []
     for item in items:
         if len(item) != 2:
             raise APIError(400, "logit_bias pairs are [token id or text, bias]", param="logit_bias")
         key, bias = item
-        if bias is False:
-            value = -math.inf
-        elif isinstance(bias, bool) or not isinstance(bias, int | float) or not math.isfinite(bias):
-            message = f"logit_bias values must be finite numbers or false, not {bias!r}"
-            raise APIError(400, message, param="logit_bias")
-        else:
-            value = float(bias)
-        if isinstance(key, int) and not isinstance(key, bool):
-            ids = [key]
-        elif isinstance(key, str) and key.lstrip("-").isdigit():
-            ids = [int(key)]
-        elif isinstance(key, str):
-            ids = encode(tokenizer, key, False, False)
-        else:
-            raise APIError(400, f"logit_bias keys are token ids or texts, not {key!r}", param="logit_bias")
-        if not all(0 <= token < vocab_size for token in ids):
-            raise APIError(400, f"logit_bias token ids must be in 0..{vocab_size - 1}", param="logit_bias")
-        pairs.extend((token, value) for token in ids)
+        pairs.extend((token, _bias_value(bias)) for token in _bias_ids(tokenizer, key, vocab_size))
+    if len({token for token, bias in pairs if bias == -math.inf}) >= vocab_size:
+        raise APIError(400, "logit_bias keeps every token out", param="logit_bias")
     return tuple(pairs)
+
+
+def _bias_value(bias: object) -> float:
+    """A bias: a finite number, or false (-inf)."""
+    if bias is False:
+        return -math.inf
+    if not isinstance(bias, bool) and isinstance(bias, int | float):
+        try:
+            value = float(bias)
+        except OverflowError:  # an integer past float's range
+            value = math.inf
+        if math.isfinite(value):
+            return value
+    message = f"logit_bias values must be finite numbers or false, not {bias!r:.40}"
+    raise APIError(400, message, param="logit_bias")
+
+
+def _bias_ids(tokenizer: PreTrainedTokenizerBase, key: object, vocab_size: int) -> list[int]:
+    """The token ids a logit_bias key names: itself (an id, or ASCII digits), or a text's tokens."""
+    if isinstance(key, str) and TOKEN_ID.fullmatch(key):
+        # more digits than any id has: past the vocabulary (and past int()'s digit limit)
+        ids = [int(key) if len(key) <= len(str(vocab_size)) + 1 else vocab_size]
+    elif isinstance(key, int) and not isinstance(key, bool):
+        ids = [key]
+    elif isinstance(key, str):
+        ids = encode(tokenizer, key, False, False)
+    else:
+        raise APIError(400, f"logit_bias keys are token ids or texts, not {key!r:.40}", param="logit_bias")
+    if not all(0 <= token < vocab_size for token in ids):
+        raise APIError(400, f"logit_bias token ids must be in 0..{vocab_size - 1}", param="logit_bias")
+    return ids

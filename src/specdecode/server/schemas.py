@@ -33,8 +33,6 @@ MAX_CHOICES = 16  # n: each choice is a generation of its own
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit on chat's top_logprobs
 MAX_LEGACY_LOGPROBS = 5  # OpenAI's limit on completions' logprobs
 MAX_N_PROBS = 100
-# OpenAI's {"token id": bias}, or llama-server's [[token id or text, bias]]; a bias of false bans
-LogitBias = dict[str, float | bool] | list[list[int | str | float | bool]]
 
 
 def no_lone_surrogates(text: str) -> str:
@@ -49,6 +47,8 @@ def no_lone_surrogates(text: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(no_lone_surrogates)]
+# OpenAI's {"token id": bias}, or llama-server's [[token id or text, bias]]; a bias of false bans
+LogitBias = dict[Text, float | bool] | list[list[int | Text | float | bool]]
 # One prompt: text, token ids, or text and ids mixed (llama-server's); a list of such prompts
 # asks for several answers (see `server.prompts`).
 Prompt = Text | list[Text | int | list[Text | int]]

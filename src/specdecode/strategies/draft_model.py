@@ -32,7 +32,7 @@ import torch
 from specdecode.backends import Backend, evaluate_continuation
 from specdecode.config import DraftModelConfig
 from specdecode.errors import SpecdecodeError
-from specdecode.sampling import Sampler, distribution
+from specdecode.sampling import NO_TOKEN, Sampler, distribution
 from specdecode.strategies.base import Draft, KeepDrafting, path_to
 from specdecode.vocab import VocabTranslator
 
@@ -134,8 +134,8 @@ class DraftModelStrategy:
                 if not continue_draft(self.keep_drafting, len(tokens) + 1, confidence, self.config.p_min):
                     break
                 token, row = self._pick(logits, [*context, *tokens])
-                if self.translator is None and token >= self.target_vocab_size:
-                    break  # the target cannot emit ids past its vocabulary
+                if token == NO_TOKEN or (self.translator is None and token >= self.target_vocab_size):
+                    break  # the bias bans every token left, or the target cannot emit ids past its vocabulary
                 tokens.append(token)
                 rows.append(row)
                 confidences.append(confidence)

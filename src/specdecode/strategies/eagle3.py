@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from specdecode.backends import Backend, common_prefix, hidden_state_source
-from specdecode.sampling import Sampler, distribution
+from specdecode.sampling import NO_TOKEN, Sampler, distribution
 from specdecode.strategies.base import Draft, KeepDrafting, path_to
 from specdecode.strategies.draft_model import DraftModelConfig, continue_draft, look_further, top1_confidence
 from specdecode.strategies.eagle3_head import Eagle3Head, HeadCache, HeadTree
@@ -114,6 +114,8 @@ class Eagle3Strategy:
                 if not continue_draft(self.keep_drafting, len(tokens) + 1, confidence, self.config.p_min):
                     break
                 token, row = self._pick(logits, [*context, *tokens])
+                if token == NO_TOKEN:
+                    break  # the logit bias bans every token left
                 tokens.append(token)
                 rows.append(row)
                 confidences.append(confidence)
