@@ -202,6 +202,28 @@ def test_a_stop_string_cuts_the_logprobs_with_the_text(client):
     assert "".join(choice["logprobs"]["tokens"]) == choice["text"]
 
 
+def test_a_stop_string_inside_a_token_lists_neither_that_token_nor_later_ones(client):
+    """As llama-server leaves the stop string's tokens out: the token the stop begins in is not
+    listed, whole or streamed, and a stream sends no entry for text it never sends."""
+    body = {"prompt": PROMPT, "max_tokens": 16, "temperature": 0, "logprobs": 0}
+    full = client.post("/v1/completions", json=body).json()["choices"][0]
+    tokens, offsets, text = full["logprobs"]["tokens"], full["logprobs"]["text_offset"], full["text"]
+    # a token whose text past its first character first occurs there: the stop cuts inside it
+    index = next(
+        i for i in range(1, len(tokens)) if len(tokens[i]) > 1 and text.find(tokens[i][1:]) == offsets[i] + 1
+    )
+    stopped = {**body, "stop": [tokens[index][1:]]}
+    choice = client.post("/v1/completions", json=stopped).json()["choices"][0]
+    assert choice["text"] == text[: offsets[index] + 1] and choice["finish_reason"] == "stop"
+    assert choice["logprobs"]["tokens"] == tokens[:index]
+    streamed = [c for event in events(client, "/v1/completions", stopped) for c in event["choices"]]
+    assert "".join(c["text"] for c in streamed) == choice["text"]
+    assert [t for c in streamed if c["logprobs"] for t in c["logprobs"]["tokens"]] == tokens[:index]
+    native = {"prompt": PROMPT, "n_predict": 16, "n_probs": 1, "stop": stopped["stop"]}
+    answer = client.post("/completion", json=native).json()
+    assert [entry["token"] for entry in answer["completion_probabilities"]] == tokens[:index]
+
+
 # --------------------------------------------------------------------------- logit_bias
 
 
@@ -372,6 +394,37 @@ def test_response_fields_keep_only_the_listed_paths(client):
     answer = client.post("/completion", json=body).json()
     assert set(answer) == {"content", "generation_settings/n_predict"}
     assert answer["generation_settings/n_predict"] == 5 and isinstance(answer["content"], str)
+
+
+def test_no_response_fields_listed_is_every_field(client):
+    """As llama-server: `response_fields: []` filters nothing."""
+    body = {"prompt": PROMPT, "n_predict": 4}
+    whole = client.post("/completion", json=body).json()
+    assert client.post("/completion", json={**body, "response_fields": []}).json().keys() == whole.keys()
+
+
+def test_completion_answers_carry_the_prompt(client):
+    """As llama-server: `prompt` is the prompt's tokens decoded with the special ones shown, in
+    the whole answer and in a stream's last event."""
+    body = {"prompt": PROMPT, "n_predict": 4}
+    whole = client.post("/completion", json=body).json()
+    tokenizer = cached_tokenizer()
+    shown = tokenizer.decode(encode(tokenizer, PROMPT), skip_special_tokens=False)
+    assert shown.startswith(tokenizer.bos_token) and whole["prompt"] == shown
+    assert events(client, "/completion", body)[-1]["prompt"] == shown
+
+
+def test_a_completion_stream_sends_each_token_of_a_speculative_step_on_its_own(client, plain):
+    """llama-server's /completion stream has one event per token, with its probabilities."""
+    body = {"prompt": PROMPT, "n_predict": 24, "n_probs": 2, "ignore_eos": True, "return_tokens": True}
+    whole = client.post("/completion", json=body).json()
+    *chunks, last = events(client, "/completion", body)
+    assert last["timings"]["draft_n_accepted"] > 0  # some steps gave several tokens
+    assert [len(chunk["tokens"]) for chunk in chunks] == [1] * 24
+    assert [c["tokens"][0] for c in chunks] == whole["tokens"] == expected(plain, 24, ignore_eos=True)
+    assert "".join(chunk["content"] for chunk in chunks) == whole["content"]
+    probabilities = [entry for chunk in chunks for entry in chunk["completion_probabilities"]]
+    assert probabilities == whole["completion_probabilities"]
 
 
 @pytest.mark.parametrize(

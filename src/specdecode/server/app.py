@@ -19,7 +19,6 @@ from dataclasses import replace
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, TypeVar
 
-import jinja2
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
@@ -29,9 +28,9 @@ from pydantic import BaseModel, ValidationError
 from specdecode.api import Pipeline
 from specdecode.backends.gather import DraftPasses
 from specdecode.chat import encode
-from specdecode.constraints import compile_constraint, grammar_tokenizer
 from specdecode.errors import SpecdecodeError
 from specdecode.generate import Chunk, Generation, GenerationConfig
+from specdecode.grammars import check_isolated
 from specdecode.server.chat import chat_prompt_ids, ending, render, template
 from specdecode.server.errors import (
     NOT_SUPPORTED,
@@ -50,6 +49,7 @@ from specdecode.server.formats import (
     TextCompletion,
     native_chunk,
     native_whole,
+    per_token,
     sse,
     stopping_word,
 )
@@ -107,7 +107,14 @@ class Service:
         rule = pipeline.load_rule() if pipeline.spec_types else None
         passes = DraftPasses() if pipeline.draft is not None or pipeline.eagle3 is not None else None
         forks = pipeline.forks(settings.parallel, passes)  # one context for all where the backend can
-        self.slots = SlotPool(forks, self.metrics, rule, passes, gate=bool(pipeline.spec_types))
+        self.slots = SlotPool(
+            forks,
+            self.metrics,
+            rule,
+            passes,
+            gate=bool(pipeline.spec_types),
+            similarity=settings.slot_prompt_similarity,
+        )
         tokenizer = pipeline.target.tokenizer
         self.tokenizers = Tokenizers(tokenizer, settings.parallel, self.n_ctx)
         self.n_texts = len(tokenizer)  # ids the tokenizer can decode
@@ -140,19 +147,14 @@ class Service:
         return {"prompt": await self._chat_prompt(body, render)}
 
     async def _chat_prompt(self, body: ChatRequest, work: Callable[..., Rendered]) -> Rendered:
-        """work(tokenizer, messages, ending) in a tokenizer thread: the rendered prompt or its ids."""
+        """work(tokenizer, messages, ending, check) in a tokenizer thread: the rendered prompt or
+        its ids, a rendering too long for the context refused by `check` before it is tokenized."""
         self.tokenizers.check_length(sum(len(message.text) for message in body.messages), "messages")
         end = ending(body)
         try:
-            return await self.tokenizers.run(work, body.messages, end)
-        except (
-            jinja2.TemplateError,
-            ValueError,
-        ) as exc:  # templates raise for conversations they do not take
-            reason = str(exc).splitlines()[0]  # transformers adds the whole rendered chat
-            raise APIError(
-                400, f"the chat template refused the messages: {reason}", param="messages"
-            ) from None
+            return await self.tokenizers.run(work, body.messages, end, self.tokenizers.check_length)
+        except SpecdecodeError as exc:  # a template fails on the messages, or renders nothing
+            raise APIError(400, str(exc), param="messages") from None
 
     async def models(self) -> dict:
         model = {
@@ -192,10 +194,8 @@ class Service:
         tokens = generation.tokens if body.return_tokens else []
         whole = await self._native_whole(run, generation, generation.text, tokens)
         if scorer is not None:
-            whole["completion_probabilities"] = scorer.native(
-                await whole_entries(scorer, chunks, generation.text)
-            )
-        if body.response_fields is not None:
+            whole["completion_probabilities"] = scorer.native(await whole_entries(scorer, chunks))
+        if body.response_fields:  # none listed: every field, as llama-server answers
             whole = only_fields(whole, body.response_fields)
         return JSONResponse(whole)
 
@@ -333,8 +333,10 @@ class Service:
         return Job(prompt, sampling, config, self._draft(body), getattr(body, "cache_prompt", True))
 
     async def _constrained(self, body: Sampling, job: Job) -> Job:
-        """The job with the request's grammar or schema, compiled once here (in a worker thread:
-        a large schema takes a while) so that a bad one is a 400 before any slot is taken."""
+        """The job with the request's grammar or schema, checked here (in a worker thread: a
+        large schema takes a while) so that a bad one is a 400 before any slot is taken. A new
+        one is checked in a child process, where one that crashes or hangs the grammar engine
+        takes down the child, not the server (`check_isolated`)."""
         asked = body.constraint()
         if asked is None:
             return job
@@ -342,8 +344,7 @@ class Service:
         target = self.front.target
 
         def check() -> None:
-            tokenizer = grammar_tokenizer(target.tokenizer, target.vocab.size, target.vocab.eos_id)
-            compile_constraint(spec, tokenizer)
+            check_isolated(spec, target.tokenizer, target.vocab.size, target.vocab.eos_id)
 
         try:
             await asyncio.to_thread(check)
@@ -404,11 +405,23 @@ class Service:
     # ------------------------------------------------------------------ running jobs
 
     async def _start(self, job: Job, request: Request) -> Run | None:
-        """The job running in a slot, once one is free; None when the client left meanwhile."""
+        """The job running in a slot, once one is free; None when the client left meanwhile
+        (asked at most every DISCONNECT_POLL_S while the job waits for a slot)."""
+        acquiring = asyncio.ensure_future(self.slots.acquire(job.prompt if job.cache_prompt else ()))
         try:
-            slot = await self.slots.acquire()
+            while not acquiring.done():
+                await asyncio.wait((acquiring,), timeout=DISCONNECT_POLL_S)
+                if not acquiring.done() and await request.is_disconnected():
+                    acquiring.cancel()  # a slot handed over meanwhile goes back (see `acquire`)
+                    return None
+            slot = acquiring.result()
         except Closing:
             raise shutting_down("no new generation starts") from None
+        except BaseException:
+            acquiring.cancel()
+            if acquiring.done() and not acquiring.cancelled() and acquiring.exception() is None:
+                self.slots.release(acquiring.result())
+            raise
         try:
             if await request.is_disconnected():
                 self.slots.release(slot)
@@ -446,9 +459,17 @@ class Service:
         job = await self._constrained(body, self._job(body, prompt))
         job = await with_request_options(self.tokenizers, self.front.target.vocab.size, body, job)
         reply = Reply(kind, self.settings.model_id, self.fingerprint, body.include_usage)
+        jobs = choice_jobs(job, body.n)  # one generation per choice
+        scorers = [self._scorer(body, choice) for choice in jobs]
+        if body.stream:  # it starts with the first choice; the others join as slots free up
+            first = await self._start(jobs[0], request)
+            if first is None:
+                return Response(status_code=CLIENT_CLOSED)
+            stream = self._openai_stream(first, jobs[1:], request, reply, scorers, body.timings_per_token)
+            return StreamingResponse(stream, media_type="text/event-stream")
         runs: list[Run] = []
         try:
-            for choice in choice_jobs(job, body.n):  # one generation per choice
+            for choice in jobs:
                 run = await self._start(choice, request)
                 if run is None:
                     self._stop(runs)
@@ -457,10 +478,6 @@ class Service:
         except BaseException:
             self._stop(runs)
             raise
-        scorers = [self._scorer(body, run.job) for run in runs]
-        if body.stream:
-            stream = self._openai_stream(runs, reply, scorers, body.timings_per_token)
-            return StreamingResponse(stream, media_type="text/event-stream")
         chunks: list[list[Chunk]] = [[] for _ in runs]
         try:
             generations = await asyncio.gather(
@@ -474,7 +491,7 @@ class Service:
                 return Response(status_code=CLIENT_CLOSED)
             logprobs = None
             if scorer is not None:
-                entries = await whole_entries(scorer, kept, generation.text)
+                entries = await whole_entries(scorer, kept)
                 logprobs = logprobs_of(scorer, entries, isinstance(kind, ChatCompletion))
             answers.append(Answer(generation.text, generation.stats, logprobs))
         return JSONResponse(reply.whole(answers, runs[0].n_cached))
@@ -490,29 +507,44 @@ class Service:
         return Scorer.for_request(self.tokenizers, ends, body, job)
 
     async def _openai_stream(
-        self, runs: list[Run], reply: Reply, scorers: list[Scorer | None], per_token: bool
+        self,
+        first: Run,
+        later: list[Job],
+        request: Request,
+        reply: Reply,
+        scorers: list[Scorer | None],
+        per_token: bool,
     ) -> AsyncIterator[str]:
         """Server-sent events: a role-only opening chunk per choice (chat), a chunk per step with
         new text (and its tokens' logprobs, its timings so far), a chunk per choice with
         finish_reason and timings, the usage chunk if asked, then [DONE]; the choices' chunks
-        interleave as their steps come, each with its index. A cut generation ends with an
-        error event and [DONE]. Cancelled when the client leaves, which stops the jobs."""
+        interleave as their steps come, each with its index. The first choice runs already;
+        the `later` ones start as slots free up, so a choice waiting for a slot holds back no
+        other. A cut generation (or a choice refused a slot at shutdown) ends with an error
+        event and [DONE]. Cancelled when the client leaves, which stops the jobs."""
         chat = isinstance(reply.kind, ChatCompletion)
+        runs: list[Run | None] = [first, *(None for _ in later)]
         for index in range(len(runs)):
             opening = reply.opening(index)
             if opening is not None:
                 yield sse(opening)
         finished: dict[int, GenerationStats] = {}
-        async for index, event in interleaved([self._events(run) for run in runs]):
+        choices = [self._events(first), *(self._started_events(job, request) for job in later)]
+        async for index, event in interleaved(choices):
+            if isinstance(event, Run):
+                runs[index] = event
+                continue
             run, scorer = runs[index], scorers[index]
             if isinstance(event, dict):
                 yield sse(event)
             elif isinstance(event, Progress):
                 yield sse(reply.progress_chunk(event.body()))
             elif isinstance(event, Generation):
+                assert run is not None, "a choice's Run comes before its events"
                 finished[index] = event.stats
                 yield sse(reply.last_chunk(event.stats, run.n_cached, index))
             else:
+                assert run is not None, "a choice's Run comes before its events"
                 logprobs = None
                 if scorer is not None and (scored := await scorer.add(event)):
                     logprobs = logprobs_of(scorer, scored, chat)
@@ -523,10 +555,12 @@ class Service:
             yield sse(reply.usage_chunk(*(finished[index] for index in range(len(runs)))))
         yield sse("[DONE]")
 
-    async def _native_stream(self, run: Run, scorer: Scorer | None, per_token: bool) -> AsyncIterator[str]:
-        """llama-server's /completion stream: a chunk per step (with its tokens' probabilities,
-        its timings so far), then the whole answer's fields with stop: true (no [DONE], as
-        llama-server sends none there)."""
+    async def _native_stream(
+        self, run: Run, scorer: Scorer | None, per_token_timings: bool
+    ) -> AsyncIterator[str]:
+        """llama-server's /completion stream: a chunk per token, a speculative step's tokens
+        one by one (with its probability, the timings so far), then the whole answer's fields
+        with stop: true (no [DONE], as llama-server sends none there)."""
         async for event in self._events(run):
             if isinstance(event, dict):
                 yield sse(event)
@@ -535,12 +569,33 @@ class Service:
             elif isinstance(event, Generation):
                 yield sse(await self._native_whole(run, event, "", []))
             elif event.text or event.tokens:
-                chunk = native_chunk(event.text, event.tokens, run.slot.id)
-                if scorer is not None:
-                    chunk["completion_probabilities"] = scorer.native(await scorer.add(event))
-                if per_token:
-                    chunk["timings"] = live_timings(run)
-                yield sse(chunk)
+                for piece in per_token(event):
+                    chunk = native_chunk(piece.text, piece.tokens, run.slot.id)
+                    if scorer is not None:
+                        chunk["completion_probabilities"] = scorer.native(await scorer.add(piece))
+                    if per_token_timings:
+                        chunk["timings"] = live_timings(run)
+                    yield sse(chunk)
+
+    async def _started_events(
+        self, job: Job, request: Request
+    ) -> AsyncIterator[Run | Chunk | Generation | Progress | dict[str, Any]]:
+        """A streamed choice that waits for a slot: its Run once started, then its events (see
+        `_events`); an error event instead when the server shuts down meanwhile, nothing when
+        the client left."""
+        try:
+            run = await self._start(job, request)
+        except APIError as exc:
+            yield exc.body()
+            return
+        if run is None:
+            return
+        try:
+            yield run
+            async for event in self._events(run):
+                yield event
+        finally:
+            run.stop.set()  # the stream ended before the generation (a finished one ignores it)
 
     async def _events(self, run: Run) -> AsyncIterator[Chunk | Generation | Progress | dict[str, Any]]:
         """A run's events for a stream whose headers are sent: a failure ends it with an error
@@ -570,6 +625,7 @@ class Service:
             n_cached=run.n_cached,
             slot=run.slot.id,
             model=self.settings.model_id,
+            prompt=await self.tokenizers.run(decode, run.job.prompt),
             stopping=stopping,
             settings={"n_ctx": self.n_ctx, **self._params(run.job)},
         )

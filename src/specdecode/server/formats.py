@@ -12,19 +12,29 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from specdecode.generate import Chunk
 from specdecode.stats import GenerationStats
 
 Logprobs = dict[str, Any] | None  # a choice's `logprobs` (see `specdecode.server.probs`)
 
-# A complete grammar ends the output as end-of-generation would.
+# A complete grammar ends the output as end-of-generation would, and so does a position where
+# the logit bias bans every token the grammar allows.
 FINISH_REASONS = {
     "eos": "stop",
     "grammar": "stop",
+    "no allowed token": "stop",
     "stop string": "stop",
     "n_predict": "length",
     "context": "length",
 }
-STOP_TYPES = {"eos": "eos", "grammar": "eos", "stop string": "word", "n_predict": "limit", "context": "limit"}
+STOP_TYPES = {
+    "eos": "eos",
+    "grammar": "eos",
+    "no allowed token": "eos",
+    "stop string": "word",
+    "n_predict": "limit",
+    "context": "limit",
+}
 
 
 def finish_reason(stats: GenerationStats) -> str:
@@ -193,6 +203,22 @@ def stopping_word(text: str, full_text: str, stops: Sequence[str]) -> str:
     return next((stop for stop in stops if rest.startswith(stop)), "")
 
 
+def per_token(chunk: Chunk) -> list[Chunk]:
+    """A step's chunk as one chunk per token, each with its share of the text and its logits
+    row, as llama-server streams /completion (text that came with no token goes with the last;
+    a chunk of no token stays whole)."""
+    if not chunk.tokens:
+        return [chunk]
+    pieces, start = [], 0
+    for index, (token, end) in enumerate(zip(chunk.tokens, chunk.ends, strict=True)):
+        if index == len(chunk.tokens) - 1:
+            end = len(chunk.text)
+        rows = chunk.logits[index : index + 1] if chunk.logits is not None else None
+        pieces.append(Chunk([token], chunk.text[start:end], logits=rows, ends=[end - start]))
+        start = end
+    return pieces
+
+
 def native_chunk(text: str, tokens: list[int], slot: int) -> dict[str, Any]:
     """One event of a /completion stream."""
     return {"index": 0, "content": text, "tokens": tokens, "stop": False, "id_slot": slot}
@@ -206,11 +232,12 @@ def native_whole(
     n_cached: int,
     slot: int,
     model: str,
+    prompt: str,
     stopping: str,
     settings: dict[str, Any],
 ) -> dict[str, Any]:
     """llama-server's /completion answer (the last event of a stream, with the text already
-    sent, has content "")."""
+    sent, has content ""); `prompt`: the prompt's ids decoded, special tokens shown."""
     return {
         "index": 0,
         "content": text,
@@ -221,6 +248,7 @@ def native_whole(
         "tokens_predicted": stats.n_generated,
         "tokens_evaluated": stats.n_prompt,
         "generation_settings": settings,
+        "prompt": prompt,
         "has_new_line": "\n" in text,
         # llama-server's: the context was shifted, or filled
         "truncated": stats.n_context_shifts > 0 or stats.n_prompt + stats.n_generated >= settings["n_ctx"],

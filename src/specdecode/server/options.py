@@ -79,6 +79,8 @@ class Scorer:
     pieces: Pieces = field(default_factory=Pieces)
     text: str = ""  # the chunks' text so far
     covered: int = 0  # characters of it the entries' texts add up to
+    given: int = 0  # entries handed out: those whose text the chunks' text holds
+    given_chars: int = 0  # characters their texts add up to
 
     @classmethod
     def for_request(
@@ -90,7 +92,9 @@ class Scorer:
         return cls(tokenizers, job.n_probs, list(job.prompt), eog_ids, job.sampling if post else None)
 
     async def add(self, chunk: Chunk) -> list[Scored]:
-        """The chunk's entries (also kept in `entries`)."""
+        """The entries the answer's text now holds, in order (all are kept in `entries`): a
+        token's entry is handed out once its whole text has been, so one whose text is held
+        back for a stop string waits, and the tokens a stop string cut never get one."""
         assert chunk.logits is not None, "a job that scores tokens keeps their logits"
         history = list(self.history)
         self.history.extend(chunk.tokens)
@@ -106,7 +110,10 @@ class Scorer:
             covered = len(self.text)
         self.covered = covered
         self.entries.extend(scored)
-        return scored
+        ready = within_text(self.entries[self.given :], len(self.text) - self.given_chars)
+        self.given += len(ready)
+        self.given_chars += sum(len(entry.token.text) for entry in ready)
+        return ready
 
     def native(self, scored: list[Scored]) -> list[dict[str, Any]]:
         """llama-server's completion_probabilities for these entries."""
@@ -123,11 +130,11 @@ def logprobs_of(scorer: Scorer, scored: list[Scored], chat: bool) -> dict[str, A
     return chat_logprobs(scored) if chat else scorer.legacy(scored)
 
 
-async def whole_entries(scorer: Scorer, chunks: Sequence[Chunk], text: str) -> list[Scored]:
+async def whole_entries(scorer: Scorer, chunks: Sequence[Chunk]) -> list[Scored]:
     """Entries for a whole answer: those of the tokens its text holds."""
     for chunk in chunks:
         await scorer.add(chunk)
-    return within_text(scorer.entries, text)
+    return scorer.entries[: scorer.given]
 
 
 def live_timings(run: Run) -> dict[str, float | int]:

@@ -33,6 +33,9 @@ class ServerSettings:
     shutdown_grace: float = 10.0  # seconds running generations get to finish at shutdown
     context_shift: bool = False  # at a full context, drop tokens and go on (llama-server's --context-shift)
     model_path: str = ""  # what /props reports (default: the model's name)
+    # a prompt goes to the free slot whose cache holds more than this part of it (0: to the
+    # least recently used), llama-server's --slot-prompt-similarity
+    slot_prompt_similarity: float = 0.1
 
     def __post_init__(self) -> None:
         if self.parallel < 1:
@@ -45,6 +48,8 @@ class ServerSettings:
             raise SpecdecodeError("the API key is empty: give a key, or no --api-key for an open server")
         if self.shutdown_grace < 0:
             raise SpecdecodeError("--shutdown-grace must be >= 0")
+        if not 0 <= self.slot_prompt_similarity <= 1:
+            raise SpecdecodeError("--slot-prompt-similarity must be in 0..1")
 
 
 DEFAULTS = ServerSettings(model_id="")
@@ -100,6 +105,15 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         default=DEFAULTS.context_shift,
         help="at a full context, drop tokens after n_keep and go on, as llama-server (default: stop there)",
     )
+    group.add_argument(
+        "-sps",
+        "--slot-prompt-similarity",
+        type=float,
+        default=DEFAULTS.slot_prompt_similarity,
+        metavar="SIMILARITY",
+        help="send a prompt to the free slot whose cache holds more than this part of it, else to the "
+        "least recently used (0: always the least recently used)",
+    )
 
 
 def settings_from_args(
@@ -118,4 +132,5 @@ def settings_from_args(
         shutdown_grace=args.shutdown_grace,
         context_shift=args.context_shift,
         model_path=str(args.model),
+        slot_prompt_similarity=args.slot_prompt_similarity,
     )

@@ -3,7 +3,9 @@ together by one batch engine.
 
 Each slot is a `Pipeline.fork()`: the same weights, its own KV caches and per-generation
 state, the shared ngram-mod pool and caches. A request waits for a free slot (first come,
-first served); its generation then joins the `BatchEngine`, which runs in one thread of its
+first served); of several free slots it gets the one whose cache its prompt reuses most (as
+llama-server's --slot-prompt-similarity chooses), else the least recently used. Its
+generation then joins the `BatchEngine`, which runs in one thread of its
 own so the event loop keeps answering (/health, other streams): every step, one target pass
 scores the rows of every running generation (continuous batching, `specdecode.scheduler`),
 and generations join and leave between steps. Chunks cross back to the loop through an
@@ -24,7 +26,7 @@ import itertools
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 from specdecode.api import Pipeline
@@ -163,14 +165,17 @@ class SlotPool:
         rule: LoadRule | None = None,
         draft_passes: DraftPasses | None = None,
         gate: bool | None = None,
+        similarity: float = 0.1,
     ) -> None:
         """rule: how drafts shorten as more generations share a pass (None: they do not).
         draft_passes: what the pipelines were forked with to batch their draft models.
         gate: whether the batch drafts only in steps where drafting is expected to pay (None:
         with the rule; see `BatchEngine`), by the adaptive policy's pass costs where the
-        pipelines have them."""
+        pipelines have them. similarity: the part of a prompt a free slot's cache must hold for
+        the prompt to go to that slot rather than to the least recently used (0: always LRU)."""
         self.slots = [Slot(index, pipeline) for index, pipeline in enumerate(pipelines)]
         self.size = len(self.slots)
+        self.similarity = similarity
         self.closing = False
         self._free: deque[Slot] = deque(self.slots)
         self._waiters: deque[asyncio.Future[Slot]] = deque()
@@ -201,13 +206,16 @@ class SlotPool:
     def waiting(self) -> int:
         return len(self._waiters)
 
-    async def acquire(self) -> Slot:
+    async def acquire(self, prompt: Sequence[int] = ()) -> Slot:
         """A free slot, after those who asked before; `Closing` once the server shuts down.
-        Start a job on it (`start`) or give it back (`release`)."""
+        Start a job on it (`start`) or give it back (`release`). prompt: the ids the job will
+        evaluate, when it may reuse a slot's cache (see `_choose`)."""
         if self.closing:
             raise Closing("no new generation starts")
         if self._free and not self._waiters:
-            return self._free.popleft()
+            slot = self._choose(prompt)
+            self._free.remove(slot)
+            return slot
         waiter: asyncio.Future[Slot] = asyncio.get_running_loop().create_future()
         self._waiters.append(waiter)
         try:
@@ -219,6 +227,20 @@ class SlotPool:
         finally:
             with contextlib.suppress(ValueError):
                 self._waiters.remove(waiter)
+
+    def _choose(self, prompt: Sequence[int]) -> Slot:
+        """llama-server's choice of a free slot: the one whose cache `prompt` reuses most, if
+        that is more than `similarity` of the prompt, else the least recently used. Reuse is
+        counted as the slot's target would keep it (`reusable_prompt_prefix`), so a slot is
+        chosen for the positions it actually saves. Free slots' caches are idle: reading them
+        here does not race the engine."""
+        best, most = self._free[0], 0
+        if prompt and self.similarity > 0:
+            for slot in self._free:
+                reused = reusable_prompt_prefix(slot.pipeline.target, prompt)
+                if reused > most and reused > self.similarity * len(prompt):
+                    best, most = slot, reused
+        return best
 
     def release(self, slot: Slot) -> None:
         """Give a slot back: to the first request still waiting, else to the free ones."""
