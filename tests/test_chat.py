@@ -1,13 +1,19 @@
 """Chat prompts: `generate --chat` and `bench --chat` render the model's chat template (or a
-file's) as the server does, and speculation over a chat prompt stays plain generation's."""
+file's) as the server does, and speculation over a chat prompt stays plain generation's.
+
+A template is code: one that raises anything, or renders nothing, is one clear error (a 400 on
+the server). A prompt too long for the context, typed or written by a template, is refused
+before it is tokenized, in the library, on the command line and on the server."""
 
 from __future__ import annotations
 
 import copy
 import json
+import time
 from pathlib import Path
 
 import pytest
+from fastapi.testclient import TestClient
 
 from specdecode.api import Pipeline
 from specdecode.chat import ChatPrompt, own_template
@@ -55,7 +61,11 @@ def template_ids(model: Path, template: str | None = None) -> list[int]:
     return list(encoded["input_ids"])
 
 
-def test_greedy_chat_output_is_plain_generation_of_the_rendered_prompt(models, capsys, exactness_log):
+def test_greedy_chat_output_is_plain_generation_of_the_rendered_prompt(
+    models, capsys, exactness_log, fixed_costs
+):
+    """Under the default (adaptive) policy at fixed costs, whether it drafts does not depend on
+    how busy the machine is."""
     expected_ids = template_ids(models["chat"])
     assert expected_ids[:2] != [0, 0] and expected_ids[0] == 0  # one BOS, the template's
     chat = ["-m", str(models["chat"]), "--chat", "-sys", SYSTEM, "-p", USER, "-n", "24"]
@@ -135,3 +145,129 @@ def test_bench_chat_refuses_a_model_without_a_template(models, tmp_path, capsys)
     argv = ["bench", "-m", str(models["base"]), "--chat", "-p", USER, "--no-plots", "--out", str(tmp_path)]
     assert main(argv) == 2
     assert capsys.readouterr().err.splitlines()[-1].startswith("error: ")
+
+
+# --------------------------------------------------------------------------- hostile templates and prompts
+
+HUGE = 1_000_000  # characters: 50 times what the tiny models' 512 positions could hold
+TOO_LONG = r"characters, so at least \d+ tokens, but the context holds only"
+
+
+def counted(monkeypatch, owner: object, name: str) -> list[int]:
+    """The lengths of the texts owner.name (a real tokenizing function) is called with."""
+    real = getattr(owner, name)
+    calls: list[int] = []
+
+    def counting(*args, **kwargs):
+        calls.append(max((len(arg) for arg in args if isinstance(arg, str)), default=0))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, counting)
+    return calls
+
+
+@pytest.mark.parametrize(
+    ("template", "message"),
+    [
+        ("{{ 1/0 }}", "ZeroDivisionError: division by zero"),
+        ("{% for i in range(1000000) %}{% endfor %}x", "OverflowError: Range too big"),
+        ("{{ messages[5]['content'] }}", "UndefinedError"),
+        ("{% if false %}x{% endif %}", "rendered the messages as an empty prompt"),
+    ],
+)
+def test_a_template_that_raises_anything_or_renders_nothing_is_one_clear_error(
+    models, tmp_path, capsys, template, message
+):
+    with pytest.raises(SpecdecodeError, match=message):
+        ChatPrompt(template=template).text(Pipeline.load(models["chat"]).target.tokenizer, USER, "test")
+    path = tmp_path / "hostile.jinja"
+    path.write_text(template)
+    argv = ["generate", "-m", str(models["chat"]), "--chat", "--chat-template-file", str(path), "-p", USER]
+    assert main(argv) == 2
+    error = capsys.readouterr().err.splitlines()[-1]
+    assert error.startswith("error: the chat template") and message in error
+
+
+def test_a_prompt_too_long_for_the_context_is_refused_before_it_is_tokenized(models, monkeypatch):
+    pipeline = Pipeline.load(models["chat"])
+    calls = counted(monkeypatch, type(pipeline.target), "tokenize")
+    huge = "x" * HUGE
+    started = time.perf_counter()
+    for run in (
+        lambda: pipeline.generate(huge, max_new_tokens=4),
+        lambda: pipeline.stream(huge),
+        lambda: pipeline.generate([USER, huge], max_new_tokens=4),
+    ):
+        with pytest.raises(SpecdecodeError, match=TOO_LONG):
+            run()
+    assert calls == [] and time.perf_counter() - started < 10  # tokenizing it takes longer
+    # with room for the tokens asked for: a text that alone would fit, but not with them
+    n_ctx = pipeline.target.n_ctx
+    half = "x" * (pipeline._chars_per_token * (n_ctx // 2))
+    with pytest.raises(SpecdecodeError, match=r"\+ n_predict \(400\) exceeds the context size"):
+        pipeline.generate(half, max_new_tokens=400)
+    assert calls == []
+    # a bound, never a refusal of what fits: a prompt of nearly the whole context still runs
+    text = (USER + "\n    return fib(n - 1) + fib(n - 2)\n") * 200
+    ids = pipeline.target.tokenize(text)[: n_ctx - 2]
+    fitting = pipeline.target.detokenize(ids, skip_special=True)
+    assert pipeline.generate(fitting, max_new_tokens=1).stats.n_prompt > n_ctx // 2
+
+
+def test_a_chat_template_writing_megabytes_is_refused_before_tokenizing_on_the_command_line(
+    models, tmp_path, capsys, monkeypatch
+):
+    from specdecode import chat
+
+    calls = counted(monkeypatch, chat, "encode")
+    path = tmp_path / "huge.jinja"
+    path.write_text(f"{{{{ 'x' * {HUGE} }}}}")
+    argv = ["generate", "-m", str(models["chat"]), "--chat", "--chat-template-file", str(path), "-p", USER]
+    started = time.perf_counter()
+    assert main(argv) == 2
+    error = capsys.readouterr().err.splitlines()[-1]
+    assert error.startswith(f"error: the prompt is {HUGE} characters, so at least")
+    assert calls == [] and time.perf_counter() - started < 30  # the model's load included
+
+
+def chat_server(models, template: str) -> TestClient:
+    """A server of the test target whose tokenizer has `template` as its own."""
+    from specdecode.server import ServerSettings, create_app
+
+    pipeline = Pipeline.load(models["chat"], spec_types=[])
+    pipeline.target.tokenizer.chat_template = template
+    return TestClient(create_app(pipeline, ServerSettings(model_id="tiny", parallel=1)))
+
+
+@pytest.mark.parametrize(
+    ("template", "message"),
+    [
+        ("{{ 1/0 }}", "ZeroDivisionError"),
+        ("{% for i in range(1000000) %}{% endfor %}x", "OverflowError"),
+        ("{% if false %}x{% endif %}", "empty prompt"),
+    ],
+)
+def test_the_server_answers_a_failing_template_with_a_400(models, template, message):
+    chat = {"messages": [{"role": "user", "content": USER}], "max_tokens": 2}
+    with chat_server(models, template) as client:
+        for path in ("/v1/chat/completions", "/apply-template"):
+            reply = client.post(path, json=chat)
+            assert reply.status_code == 400, reply.text
+            error = reply.json()["error"]
+            assert error["param"] == "messages" and message in error["message"]
+        assert client.get("/health").json()["status"] == "ok"
+
+
+def test_the_server_refuses_a_rendering_too_long_before_tokenizing_it(models, monkeypatch):
+    from specdecode import chat
+
+    calls = counted(monkeypatch, chat, "encode")
+    body = {"messages": [{"role": "user", "content": USER}], "max_tokens": 2}
+    with chat_server(models, f"{{{{ 'x' * {HUGE} }}}}") as client:
+        started = time.perf_counter()
+        for path in ("/v1/chat/completions", "/apply-template"):
+            reply = client.post(path, json=body)
+            assert reply.status_code == 400, reply.text
+            error = reply.json()["error"]
+            assert error["code"] == "context_length_exceeded" and "rendered chat prompt" in error["message"]
+        assert calls == [] and time.perf_counter() - started < 10

@@ -197,6 +197,22 @@ def test_lookup_caches_through_the_command_line(pair, tmp_path, capsys):
     assert dynamic.read_bytes() == before
 
 
+def test_one_file_under_two_names_is_refused_for_two_cache_files(pair, tmp_path, capsys):
+    target, _, _ = pair
+    suffix = tmp_path / "suffix.bin"
+    suffix.write_bytes(b"")
+    (tmp_path / "link.bin").symlink_to(suffix)
+    (tmp_path / "hard.bin").hardlink_to(suffix)
+    commands = (["generate", "-p", "x"], ["serve", "--port", "0"])  # serve reads the same flags
+    for name in ("link.bin", "hard.bin"):
+        files = ["--spec-suffix-file", str(suffix), "-lcd", str(tmp_path / name)]
+        for command in commands:
+            assert main([*command, "-m", str(target), "--spec-type", "ngram-cache,suffix", *files]) == 2
+            error = capsys.readouterr().err.splitlines()[-1]
+            assert error.startswith("error: -lcd/--lookup-cache-dynamic and --spec-suffix-file name the same")
+    assert suffix.read_bytes() == b""
+
+
 def test_bundled_pair_is_used_without_m(pair, tmp_path, monkeypatch, capsys):
     import shutil
 

@@ -6,13 +6,15 @@ convert` writing one as a Hugging Face directory.
 - The round trip: the directory holds the file's dequantized weights (bit for bit the logits of
   the file through the same forward), its tokenizer, chat template and special ids; speculation
   on the directory gives the greedy output of plain generation on the file with `--backend hf`.
-- Refusals: a non-empty directory (unless --force), a file that is not GGUF, a missing file.
+- Refusals: a non-empty directory (unless --force), a destination that cannot be written
+  (checked before the file is read), a file that is not GGUF, a missing file.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -176,3 +178,26 @@ def test_convert_refuses_a_non_empty_directory_unless_forced(gguf_files, tmp_pat
     assert [file.name for file in out.iterdir()] == ["notes.txt"]
     assert main([*argv, "--force"]) == 0
     assert (out / "model.safetensors").is_file() and (out / "notes.txt").read_text() == "mine"
+
+
+def test_convert_checks_its_destination_before_reading_the_model(gguf_files, tmp_path, capsys, monkeypatch):
+    from specdecode.export import convert
+
+    loads: list[Path] = []
+    monkeypatch.setattr(convert, "load_gguf_model", lambda path, *args, **kwargs: loads.append(path))
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("mine")
+    destinations = {"under a file": (a_file / "out", "is not a directory")}
+    if os.geteuid() != 0:  # root writes through permission bits
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        destinations["in a read-only directory"] = (locked / "out", "is not writable")
+        destinations["a read-only directory"] = (locked, "permission denied")
+    for out, message in destinations.values():
+        assert main(["convert", str(gguf_files["target.gguf"]), str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: cannot ") and message in err and err.count("\n") == 1
+    assert loads == [] and a_file.read_text() == "mine"
+    assert sorted(path.name for path in tmp_path.rglob("*")) == sorted(
+        ["notes.txt", *(["locked"] if os.geteuid() != 0 else [])]
+    )

@@ -13,12 +13,15 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from transformers import BertConfig, BertLMHeadModel
 
+from specdecode.backends.gguf_files import export_gguf
 from specdecode.cli import main
 from specdecode.strategies.ngram_cache import save
+from specdecode.strategies.suffix import write_requests
 from specdecode.testing import make_llama, make_tokenizer, perturbed_copy, save_model
 
 CORPUS = "def f(x):\n    return x + 1\n\n\nclass A:\n    pass\n" * 40
@@ -58,17 +61,36 @@ def hostile_files(tmp_path_factory) -> dict[str, Path]:
     files["corpus"].write_text(CORPUS)
     files["empty"] = root / "empty.txt"
     files["empty"].write_text("")
+    files["huge"] = root / "huge.txt"
+    files["huge"].write_text("x" * 1_000_000)  # 50 times what 512 positions hold: refused untokenized
     files["many_alternatives"] = root / "many.gbnf"
     files["many_alternatives"].write_text("root ::= " + " | ".join(f'"w{i}"' for i in range(2001)) + "\n")
     files["no_text"] = root / "no-text.gbnf"
     files["no_text"].write_text('root ::= root "a"\n')
     files["far_ids"] = root / "far-ids.lcs"
     save({(5, 6): {7: 3, 100_000: 2}}, files["far_ids"])
+    files["suffix_overflow"] = root / "overflow.suffix"
+    requests = [np.array([5]), np.array([6]), np.array([7]), np.array([8, 9])]
+    write_requests(files["suffix_overflow"], requests, 320)
+    data = bytearray(files["suffix_overflow"].read_bytes())  # lengths that add up to 5 modulo 2^64
+    data[42:74] = np.array([2**62, 2**62, 2**62, 2**62 + 5], dtype="<i8").tobytes()
+    files["suffix_overflow"].write_bytes(bytes(data))
+    for name, template in (
+        ("divides_by_zero", "{{ 1/0 }}"),
+        ("range_too_big", "{% for i in range(1000000) %}{% endfor %}x"),
+        ("renders_nothing", "{% if false %}x{% endif %}"),
+    ):
+        files[name] = root / f"{name}.jinja"
+        files[name].write_text(template)
+    files["gguf"] = export_gguf(files["target"], root / "target.gguf", "f32")
     files["root"] = root
     return files
 
 
 GENERATE = ["generate", "-m", "{target}", "-p", "x"]
+GENERATE_FILE = ["generate", "-m", "{target}", "-f", "{corpus}"]
+ONE_PATH = ["-lcd", "{root}/c", "--spec-suffix-file", "{root}/c"]
+CHAT = [*GENERATE, "--chat", "--chat-template-file"]
 WITH_DRAFT = [*GENERATE, "-md", "{draft}"]
 LOOKUP_CREATE = ["lookup", "create", "-m", "{target}"]
 TRAIN_TOKENIZER = ["train", "tokenizer", "--out"]
@@ -126,6 +148,37 @@ CASES = [
     ("grammar-matching-no-text", [*GENERATE, "--grammar-file", "{no_text}"], "no text matches"),
     ("grammar-file-given-inline", [*GENERATE, "--grammar", "{no_text}"], "--grammar-file"),
     ("regex-matching-no-text", [*GENERATE, "--regex", r"[^\x00-\x{{10FFFF}}]"], "no text matches"),
+    ("prompt-file-past-the-context", ["generate", "-m", "{target}", "-f", "{huge}"], "so at least"),
+    ("chat-template-dividing-by-zero", [*CHAT, "{divides_by_zero}"], "ZeroDivisionError"),
+    ("chat-template-range-past-the-sandbox", [*CHAT, "{range_too_big}"], "OverflowError"),
+    ("chat-template-rendering-nothing", [*CHAT, "{renders_nothing}"], "empty prompt"),
+    (
+        "suffix-file-whose-lengths-overflow",
+        [*GENERATE, "--spec-type", "suffix", "--spec-suffix-file", "{suffix_overflow}"],
+        "do not add up",
+    ),
+    ("convert-under-a-file", ["convert", "{gguf}", "{corpus}/out"], "is not a directory"),
+    # one path for two files: the cache written after the run would overwrite the other
+    (
+        "dynamic-cache-and-suffix-file-one-path",
+        [*GENERATE, "--spec-type", "ngram-cache,suffix", *ONE_PATH],
+        "name the same file",
+    ),
+    (
+        "static-and-dynamic-cache-one-path",
+        [*GENERATE, "--spec-type", "ngram-cache", "-lcs", "{far_ids}", "-lcd", "{root}/./far-ids.lcs"],
+        "name the same file",
+    ),
+    (
+        "bench-suffix-file-over-a-prompt-file",
+        ["bench", "-m", "{target}", "-f", "{empty}", "-f", "{corpus}", "--spec-suffix-file", "{corpus}"],
+        "same file",
+    ),
+    (
+        "suffix-file-over-the-prompt-file",
+        [*GENERATE_FILE, "--spec-type", "suffix", "--spec-suffix-file", "{corpus}"],
+        "same file",
+    ),
     # flags that would change nothing
     (
         "n-parallel-with-n-grams-only",
@@ -135,6 +188,16 @@ CASES = [
     ("n-parallel-without-strategies", [*GENERATE, "--draft-n-parallel", "3"], "--draft-n-parallel"),
     ("tree-tokens-without-eagle3", [*WITH_DRAFT, "--draft-tree-tokens", "8"], "--draft-tree-tokens"),
     ("tree-topk-without-eagle3", [*WITH_DRAFT, "--draft-tree-topk", "4"], "--draft-tree-topk"),
+    (
+        "suffix-file-without-suffix",
+        [*GENERATE, "--spec-suffix-file", "{suffix_overflow}"],
+        "not in the chain",
+    ),
+    (
+        "dynamic-cache-without-ngram-cache",
+        [*GENERATE, "--spec-type", "suffix", "-lcd", "{root}/d.bin"],
+        "not in the chain",
+    ),
     # training: refused before anything is written, into a new directory or an existing model's
     *[
         (f"train-{kind}-{name}-into-{into}", train(kind, *flags, out=out), message)

@@ -28,6 +28,7 @@ from specdecode.strategies.suffix import (
     SuffixStrategy,
     key_hash,
     window_hashes,
+    write_requests,
 )
 from specdecode.testing import make_llama, make_tokenizer
 
@@ -195,6 +196,20 @@ def test_foreign_corrupt_and_other_vocabulary_files_are_refused_unchanged(tmp_pa
         SuffixStore(SuffixConfig(), tmp_path)
 
 
+def test_request_lengths_that_add_up_only_past_64_bits_are_refused_unchanged(tmp_path):
+    path = tmp_path / "suffix.bin"
+    write_requests(path, [np.array([5]), np.array([6]), np.array([7]), np.array([8, 9])], 320)
+    good = path.read_bytes()
+    assert good[42:74] == np.array([1, 1, 1, 2], dtype="<i8").tobytes()
+    wrapped = np.array([2**62, 2**62, 2**62, 2**62 + 5], dtype="<i8")  # their int64 sum is 5
+    assert int(wrapped.sum()) == 5
+    data = good[:42] + wrapped.tobytes() + good[74:]
+    path.write_bytes(data)
+    with pytest.raises(SpecdecodeError, match="request lengths do not add up"):
+        SuffixStore(SuffixConfig(), path, vocab_size=320)
+    assert path.read_bytes() == data
+
+
 def test_negative_ids_in_a_file_are_refused(tmp_path):
     path = tmp_path / "suffix.bin"
     SuffixStore(SuffixConfig(), path, vocab_size=320).learn([5, 6, 7, 8, 9])
@@ -236,7 +251,7 @@ PROMPT = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6]
 
 @pytest.mark.parametrize("policy", ["classic", "adaptive"])
 @pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
-def test_generation_with_suffix_equals_plain(zoo, exactness_log, sampling, policy):
+def test_generation_with_suffix_equals_plain(zoo, exactness_log, sampling, policy, steady_clock):
     """Several requests through one pipeline (the store learns each), every answer the plain one;
     the suffix strategy drafts and gets tokens accepted."""
     spec = TargetSpec(seed=2, hidden=32, layers=2, eos_tie=False)

@@ -33,6 +33,7 @@ from specdecode.backends.hf_gguf import Use
 from specdecode.backends.load import backend_from_model, check_not_hub_id, load_backend
 from specdecode.backends.options import LoadOptions
 from specdecode.chain import Chain
+from specdecode.chat import chars_per_token, check_text_room
 from specdecode.config import (
     PRIORITY,
     SPEC_TYPE_ALIASES,
@@ -154,6 +155,7 @@ class Pipeline:
         self.policy_models = None
         self._load_rule: LoadRule | None = None
         self._batch: tuple[DraftPasses | None, list[Pipeline]] | None = None  # see _seats
+        self._chars_per_token: int | None = None  # see check_text
         if spec_policy == "adaptive" and self.spec_types:
             drafts = {"draft": draft} if draft is not None and "draft" in self.spec_types else None
             self.policy_models = (
@@ -268,8 +270,23 @@ class Pipeline:
             policy_models=self.policy_models,
         )
 
-    def encode(self, prompt: str | Sequence[int]) -> list[int]:
-        return self.target.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+    def encode(self, prompt: str | Sequence[int], config: GenerationConfig | None = None) -> list[int]:
+        """The prompt's ids; a text is first checked to fit the context, with room for the tokens
+        `config` asks for (`check_text`)."""
+        if not isinstance(prompt, str):
+            return list(prompt)
+        self.check_text(prompt, config)
+        return self.target.tokenize(prompt)
+
+    def check_text(self, text: str, config: GenerationConfig | None = None) -> None:
+        """Refuse, before it is tokenized, a prompt text too long for the context whatever its
+        tokens (with room for the tokens `config` asks for): tokenizing megabytes takes
+        gigabytes of memory. The error is the one a prompt of too many tokens gets."""
+        if self._chars_per_token is None:  # once per pipeline: one pass over the vocabulary
+            entries = (self.target.token_text(i) for i in range(self.target.vocab.size))
+            self._chars_per_token = chars_per_token(entries)
+        n_predict = -1 if config is None or config.context_shift else config.n_predict
+        check_text_room(len(text), self._chars_per_token, n_predict, self.target.n_ctx)
 
     def stream(
         self,
@@ -315,7 +332,8 @@ class Pipeline:
                 regime=None if sampling.greedy else f"{config.verify}, temperature {sampling.temperature:g}",
             )
         chain = Chain(build_strategies(self.spec_types, setup), policy, matcher)
-        return Generation(self.target, chain, sampler, config, self.encode(prompt), constraint=matcher)
+        ids = self.encode(prompt, config)
+        return Generation(self.target, chain, sampler, config, ids, constraint=matcher)
 
     @overload
     def generate(
@@ -388,6 +406,9 @@ class Pipeline:
             samplings = list(sampling)
             if len(samplings) != len(prompts):
                 raise SpecdecodeError(f"{len(prompts)} prompts but {len(samplings)} sampling settings")
+        for prompt in prompts:  # every text measured before any is tokenized
+            if isinstance(prompt, str):
+                self.check_text(prompt, config)
         encoded = [self.encode(prompt) for prompt in prompts]
         for ids in encoded:  # every request checked before any work
             check_room(ids, -1 if config.context_shift else config.n_predict, self.target.n_ctx)

@@ -6,13 +6,16 @@ assistant turn (add_generation_prompt). It comes from the model: a Hugging Face 
 tokenizer (tokenizer_config.json or chat_template.jinja), a GGUF file's `tokenizer.chat_template`
 metadata (which transformers' GGUF tokenizer reads); or from a file that overrides it.
 
+A prompt's text is measured before it is tokenized (`check_text_room`): a text of megabytes
+takes gigabytes to tokenize, and one that cannot fit the context is refused first.
+
 Light on purpose: the command line builds its flags from here before torch loads.
 """
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -20,6 +23,10 @@ from specdecode.errors import SpecdecodeError, read_text_file
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+# A normalizer may merge characters before tokenizing (NFC/NFKC compose up to 3 into one).
+NORMALIZER_SLACK = 4
+REASON_CHARS = 300  # of the first line of a template's error
 
 
 def own_template(tokenizer: PreTrainedTokenizerBase) -> str | None:
@@ -31,12 +38,32 @@ def own_template(tokenizer: PreTrainedTokenizerBase) -> str | None:
 
 
 def render(
-    tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict[str, str]], template: str | None = None
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[dict[str, str]],
+    template: str | None = None,
+    *,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
 ) -> str:
-    """The prompt text, ready for the assistant's answer; `template` overrides the tokenizer's."""
-    return tokenizer.apply_chat_template(
-        list(messages), chat_template=template, tokenize=False, add_generation_prompt=True
-    )
+    """The prompt text, by default ready for the assistant's answer; `template` overrides the
+    tokenizer's. A template is code from a file or a model: whatever it raises (a Jinja error,
+    a division by zero, a range the sandbox refuses, a conversation it does not take), and a
+    rendering of no text, is a SpecdecodeError."""
+    try:
+        text = tokenizer.apply_chat_template(
+            list(messages),
+            chat_template=template,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+        )
+    except Exception as exc:  # the template's code may raise anything
+        lines = str(exc).strip().splitlines()  # the first: transformers appends the rendered chat
+        reason = f"{type(exc).__name__}: {lines[0][:REASON_CHARS]}" if lines else type(exc).__name__
+        raise SpecdecodeError(f"the chat template failed on the messages: {reason}") from None
+    if not isinstance(text, str) or not text:
+        raise SpecdecodeError("the chat template rendered the messages as an empty prompt")
+    return text
 
 
 def encode_rendered(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
@@ -44,6 +71,31 @@ def encode_rendered(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
     templates do), so a prompt never starts with two."""
     bos = tokenizer.bos_token
     return encode(tokenizer, text, add_special=not (bos and text.startswith(bos)))
+
+
+def chars_per_token(entries: Iterable[str | None]) -> int:
+    """The most characters of text one token can stand for, from the vocabulary's entries (as
+    stored; None for an id without one): no token covers more characters than its entry holds
+    (byte-level and SentencePiece entries spell out at least the text they stand for), times
+    what a normalizer may merge."""
+    return max((len(entry) for entry in entries if entry), default=1) * NORMALIZER_SLACK
+
+
+def check_text_room(n_chars: int, per_token: int, n_predict: int, n_ctx: int) -> None:
+    """`specdecode.generate.check_room` for a prompt's text before it is tokenized: refuse a
+    text of `n_chars` characters whose fewest possible tokens (`per_token` characters each, see
+    `chars_per_token`) leave no room in the context for `n_predict` tokens (<= 0: for one)."""
+    least = -(-n_chars // per_token)
+    if least >= n_ctx:
+        raise SpecdecodeError(
+            f"the prompt is {n_chars} characters, so at least {least} tokens, but the context holds "
+            f"only {n_ctx}"
+        )
+    if n_predict > 0 and least + n_predict > n_ctx:
+        raise SpecdecodeError(
+            f"prompt ({n_chars} characters, so at least {least} tokens) + n_predict ({n_predict}) "
+            f"exceeds the context size ({n_ctx}); lower -n or raise -c"
+        )
 
 
 def encode(
@@ -80,16 +132,11 @@ class ChatPrompt:
     def text(self, tokenizer: PreTrainedTokenizerBase, user: str | Sequence[str], model: str) -> str:
         """The rendered prompt (of a message or a conversation, see `messages`); an error for a
         model without a template when none is given, or a template that fails on the messages."""
-        import jinja2  # transformers' dependency, needed only once a template renders
-
         if self.template is None and own_template(tokenizer) is None:
             raise SpecdecodeError(
                 f"{model} has no chat template: give one with --chat-template-file FILE (a Jinja template)"
             )
-        try:
-            return render(tokenizer, self.messages(user), self.template)
-        except jinja2.TemplateError as exc:
-            raise SpecdecodeError(f"the chat template failed on the messages: {exc}") from None
+        return render(tokenizer, self.messages(user), self.template)
 
     def ids(self, tokenizer: PreTrainedTokenizerBase, user: str, model: str) -> list[int]:
         return encode_rendered(tokenizer, self.text(tokenizer, user, model))

@@ -29,7 +29,7 @@ from specdecode.bench.flags import (
     add_bench_passes_parser,
     add_bench_serve_parser,
 )
-from specdecode.chat import add_chat_args, chat_from_args
+from specdecode.chat import add_chat_args, chat_from_args, encode_rendered
 from specdecode.config import (
     BACKENDS,
     DTYPE_NAMES,
@@ -452,7 +452,70 @@ def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
     )
 
 
+# The files the model-free strategies keep, by flag; -lcd and --spec-suffix-file are rewritten
+# after every generation, so no other file may share their path.
+CACHE_FILE_FLAGS = {
+    "lookup_cache_static": "-lcs/--lookup-cache-static",
+    "lookup_cache_dynamic": "-lcd/--lookup-cache-dynamic",
+    "spec_suffix_file": "--spec-suffix-file",
+}
+INPUT_FILE_FLAGS = {
+    "file": "-f/--file",
+    "chat_template_file": "--chat-template-file",
+    "grammar_file": "--grammar-file",
+    "json_schema_file": "-jf/--json-schema-file",
+    "model": "-m/--model",
+    "model_draft": "-md/--model-draft",
+}
+
+
+def check_distinct_files(args: argparse.Namespace) -> None:
+    """Refuse one path given for two files, where one of them is a cache file: the cache
+    written after a generation would overwrite the other, and the next run would fail on it."""
+    given = []
+    for dest, flag in {**CACHE_FILE_FLAGS, **INPUT_FILE_FLAGS}.items():
+        value = getattr(args, dest, None)
+        values = value if isinstance(value, list) else [value] if value is not None else []  # bench's -f
+        given += [(flag, Path(path)) for path in values]
+    caches = set(CACHE_FILE_FLAGS.values())
+    for i, (flag, path) in enumerate(given):
+        for other, other_path in given[i + 1 :]:
+            if (flag in caches or other in caches) and _same_file(path, other_path):
+                raise SpecdecodeError(
+                    f"{flag} and {other} name the same file ({path}): give each its own path"
+                )
+
+
+def _same_file(one: Path, other: Path) -> bool:
+    """Whether two paths name one file: the same path once resolved, or one file by two names."""
+    if one.resolve() == other.resolve():
+        return True
+    try:
+        return os.path.samefile(one, other)
+    except OSError:  # either is absent (a cache file made at the end) or unreadable
+        return False
+
+
+def check_cache_files_used(args: argparse.Namespace, spec_types: Sequence[str] | None) -> None:
+    """Refuse a cache file flag whose strategy is not in the chain (spec_types: the parsed
+    --spec-type, None when not given): its file would be neither read nor written, silently,
+    as a template file without --chat would be."""
+    names = spec_types or []
+    for dest, strategy in (
+        ("lookup_cache_static", "ngram-cache"),
+        ("lookup_cache_dynamic", "ngram-cache"),
+        ("spec_suffix_file", "suffix"),
+    ):
+        if getattr(args, dest) is not None and strategy not in names:
+            raise SpecdecodeError(
+                f"{CACHE_FILE_FLAGS[dest]} is a file of the {strategy} strategy, which is not in the "
+                f"chain: add it to --spec-type (e.g. --spec-type {strategy})"
+            )
+
+
 def ngram_from_args(args: argparse.Namespace) -> NgramSettings:
+    check_distinct_files(args)
+
     def map_config(name: str) -> NgramMapConfig:
         prefix = f"spec_ngram_{name}_"
         return NgramMapConfig(*(getattr(args, prefix + field) for field in ("size_n", "size_m", "min_hits")))
@@ -555,6 +618,7 @@ def pipeline_from_args(args: argparse.Namespace) -> Pipeline:
     if spec_types is None and args.model_eagle3 is not None:
         # -me enables eagle3 as -md enables draft: both given, both run (draft first)
         spec_types = (["draft"] if args.model_draft is not None else []) + ["eagle3"]
+    check_cache_files_used(args, spec_types)
     head = resolve_eagle3(args.model, args.model_eagle3) if spec_types and "eagle3" in spec_types else None
     args.model, args.model_draft = resolve_models(args.model, args.model_draft)
     target_options, draft_options = load_options(args)
@@ -660,7 +724,10 @@ def run_generate(args: argparse.Namespace) -> None:
     pipeline = pipeline_from_args(args)
     say(f"ready in {time.perf_counter() - started:.1f} s")
     if chat is not None:  # tokenized as the server tokenizes a chat, by the model's tokenizer
-        prompt = chat.ids(pipeline.target.tokenizer, prompt, pipeline.target.name)
+        tokenizer = pipeline.target.tokenizer
+        prompt = chat.text(tokenizer, prompt, pipeline.target.name)
+        pipeline.check_text(prompt, config)  # a template may write megabytes: before tokenizing
+        prompt = encode_rendered(tokenizer, prompt)
     run = pipeline.stream(prompt, sampling, config, constraint=constraint)
     for chunk in run:
         if args.stream and not args.json:

@@ -15,6 +15,7 @@ loader may keep weights in GGUF blocks, which `convert` unpacks.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -47,23 +48,42 @@ def convert_gguf(path: Path, out: Path, dtype: str = CONVERT_DTYPES[0], force: b
         raise SpecdecodeError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
     if out.exists() and not out.is_dir():
         raise SpecdecodeError(f"{out} exists and is not a directory")
+    check_writable(out)  # before minutes of dequantizing
     if out.is_dir() and any(out.iterdir()) and not force:
         raise SpecdecodeError(f"{out} exists and is not empty (--force writes into it)")
     model, tokenizer = load_gguf_model(path, DTYPES[dtype], dense=True)
-    out.mkdir(parents=True, exist_ok=True)
-    config = model.config
-    config.architectures = [type(model).__name__]
-    config.dtype = DTYPES[dtype]
-    config.save_pretrained(out)
-    save_file(_each_weight_once(model), out / "model.safetensors", metadata={"format": "pt"})
-    tokenizer.save_pretrained(out, save_jinja_files=False)  # the chat template in tokenizer_config.json
-    generation = GenerationConfig(
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    generation.save_pretrained(out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        config = model.config
+        config.architectures = [type(model).__name__]
+        config.dtype = DTYPES[dtype]
+        config.save_pretrained(out)
+        save_file(_each_weight_once(model), out / "model.safetensors", metadata={"format": "pt"})
+        tokenizer.save_pretrained(out, save_jinja_files=False)  # the chat template in tokenizer_config.json
+        generation = GenerationConfig(
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        generation.save_pretrained(out)
+    except OSError as exc:  # the disk filled, or the directory changed under us
+        raise SpecdecodeError(f"cannot write {out}: {exc.strerror or exc}") from None
     return out
+
+
+def check_writable(out: Path) -> None:
+    """Refuse a destination that cannot be written: an existing directory without write
+    permission, or one whose nearest existing parent is a file or not writable (so it cannot be
+    created). Nothing is created here."""
+    existing = out
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise SpecdecodeError(f"cannot create {out}: {existing} is not a directory")
+    if existing == out and not os.access(out, os.R_OK | os.W_OK | os.X_OK):
+        raise SpecdecodeError(f"cannot write into {out}: permission denied")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise SpecdecodeError(f"cannot create {out}: {existing} is not writable")
 
 
 def _each_weight_once(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -14,7 +14,7 @@ open, no new turn), as llama-server does; `continue_final_message` asks for that
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
@@ -23,6 +23,7 @@ from specdecode import chat
 from specdecode.server.errors import APIError
 from specdecode.server.schemas import ChatRequest, Message
 
+LengthCheck = Callable[[int, str, str], None]  # (characters, param, what they are): raises if too many
 DEFAULT_TEMPLATE = (
     "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}assistant:{% endif %}"
@@ -66,24 +67,35 @@ def ending(body: ChatRequest) -> Ending:
     return Ending(body.add_generation_prompt, False)
 
 
-def render(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Message], end: Ending = Ending()) -> str:
+def render(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[Message],
+    end: Ending = Ending(),
+    check: LengthCheck | None = None,
+) -> str:
     """The prompt text, ending as `end` says (by default, ready for the assistant's answer).
-    A template the continued message does not survive raises ValueError."""
-    if end == Ending():
-        return chat.render(tokenizer, _dicts(messages), template(tokenizer))
-    return tokenizer.apply_chat_template(
+    A template that fails on the messages, or renders none, raises SpecdecodeError; `check`
+    is given the rendering's length (a template may write far more than the messages hold)."""
+    text = chat.render(
+        tokenizer,
         _dicts(messages),
-        chat_template=template(tokenizer),
-        tokenize=False,
+        template(tokenizer),
         add_generation_prompt=end.add_generation_prompt,
         continue_final_message=end.continue_final_message,
     )
+    if check is not None:
+        check(len(text), "messages", "rendered chat prompt")
+    return text
 
 
 def chat_prompt_ids(
-    tokenizer: PreTrainedTokenizerBase, messages: Sequence[Message], end: Ending = Ending()
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[Message],
+    end: Ending = Ending(),
+    check: LengthCheck | None = None,
 ) -> list[int]:
-    return chat.encode_rendered(tokenizer, render(tokenizer, messages, end))
+    """The ids of the rendered prompt; `check` refuses a rendering too long before it is tokenized."""
+    return chat.encode_rendered(tokenizer, render(tokenizer, messages, end, check))
 
 
 def _dicts(messages: Sequence[Message]) -> list[dict[str, str]]:

@@ -17,10 +17,9 @@ from typing import TypeVar
 
 from transformers import PreTrainedTokenizerBase
 
+from specdecode.chat import chars_per_token
 from specdecode.server.errors import exceeds_context
 
-# A normalizer may merge characters before tokenizing (NFC/NFKC compose up to 3 into one).
-NORMALIZER_SLACK = 4
 T = TypeVar("T")
 
 
@@ -32,20 +31,17 @@ class Tokenizers:
         self._copying = threading.Lock()
         self._local = threading.local()
         self._executor = ThreadPoolExecutor(threads, thread_name_prefix="tokenize")
-        pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
-        longest = max(len(piece) for piece in pieces if piece)
-        # No token covers more characters than its vocabulary entry holds (byte-level and
-        # SentencePiece entries spell out at least the text they stand for), so a longer text
-        # has more than n_ctx tokens.
+        entries = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
         self.n_ctx = n_ctx
-        self.max_chars = n_ctx * longest * NORMALIZER_SLACK
+        self.max_chars = n_ctx * chars_per_token(entries)  # a longer text has more than n_ctx tokens
 
-    def check_length(self, n_chars: int, param: str) -> None:
-        """Refuse a text that no tokenization could fit into the context."""
+    def check_length(self, n_chars: int, param: str, what: str | None = None) -> None:
+        """Refuse a text that no tokenization could fit into the context. what: the text's name
+        in the message (default: the request's field, `param`). Called from worker threads too."""
         if n_chars > self.max_chars:
             raise exceeds_context(
-                f"the {param} is {n_chars} characters: more than the context's {self.n_ctx} tokens "
-                f"can hold (at most {self.max_chars} characters are tokenized)",
+                f"the {what or param} is {n_chars} characters: more than the context's {self.n_ctx} "
+                f"tokens can hold (at most {self.max_chars} characters are tokenized)",
                 param,
                 self.n_ctx,
             )

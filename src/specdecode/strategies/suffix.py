@@ -406,7 +406,8 @@ def read_requests(path: Path, vocab_size: int | None) -> list[np.ndarray]:
         )
     lengths = np.frombuffer(body, dtype="<i8", count=n_requests, offset=_HEADER.itemsize)
     tokens = np.frombuffer(body, dtype="<i4", count=n_tokens, offset=_HEADER.itemsize + 8 * n_requests)
-    if (lengths <= 0).any() or int(lengths.sum()) != n_tokens:
+    # each length checked before they are added, and added as Python ints: int64 sums wrap
+    if (lengths <= 0).any() or (lengths > n_tokens).any() or sum(lengths.tolist()) != n_tokens:
         raise SpecdecodeError(f"invalid suffix file {path}: request lengths do not add up to its tokens")
     highest = int(tokens.max()) if n_tokens else 0
     if n_tokens and (int(tokens.min()) < 0 or (vocab_size is not None and highest >= vocab_size)):
