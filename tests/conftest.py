@@ -18,13 +18,16 @@ import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
 from scipy import stats
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
+import specdecode.chain
 from specdecode import HFBackend, Sampler, SamplingParams
 from specdecode.policy import CostModel, DraftCalls, PolicyModels
 from specdecode.testing import make_llama, make_tokenizer, perturbed_copy, save_model, truncated_copy
@@ -45,6 +48,11 @@ os.environ["SPECDECODE_NO_PASS_CACHE"] = "1"
 # session, removed at its end (the bundled models decoded into it are tens of MB).
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="specdecode-test-cache-")
 atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], ignore_errors=True)
+
+# A busy machine draws a property test's examples slowly too: no test fails for the time its
+# examples take (each test's own settings still choose how many).
+settings.register_profile("busy-machine", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("busy-machine")
 
 # Draft kinds: perturbed copies at these noise levels, or an unrelated model.
 NOISES = (0.0, 0.02, 0.1, 0.5)
@@ -434,3 +442,27 @@ def gpu_policy() -> PolicyModels:
     """Costs shaped as a GPU's for a large target (a verify row nearly free, a draft step a
     fiftieth of a target pass), where wide trees pay."""
     return CpuPolicyModels(costs=CpuCosts(seventeen_rows=0.0105, draft_step=0.0002))
+
+
+@pytest.fixture
+def steady_clock(monkeypatch) -> None:
+    """The chain's clock stands still: asking the model-free strategies and running a drafting
+    model take no time by it, as on an idle machine. The adaptive policy weighs a step's
+    candidates by the seconds already spent drafting; on a busy machine a process descheduled
+    for tens of milliseconds in that window would lower the rate a second is worth, and with
+    it the price of a row, so that a test's choices would follow the machine's load, not the
+    costs it set."""
+    monkeypatch.setattr(specdecode.chain, "time", SimpleNamespace(perf_counter=lambda: 0.0))
+
+
+@pytest.fixture
+def fixed_costs(monkeypatch, steady_clock) -> None:
+    """Every adaptive pipeline made in the test, by the command line and the server too, prices
+    passes and draft steps by `cpu_policy`'s fixed costs instead of timing them on this machine:
+    what the policy chooses from times measured on a busy machine is its own business (it
+    rightly drafts nothing where a draft step costs as much as a target pass), not a test's."""
+
+    def for_target(cls, target, progress=None, drafts=None) -> PolicyModels:
+        return cpu_policy()
+
+    monkeypatch.setattr(PolicyModels, "for_target", classmethod(for_target))

@@ -540,7 +540,7 @@ def test_the_adaptive_policy_learns_each_shared_pass_once_at_its_shape():
     assert any(sequences > 1 for _, sequences in shapes)
 
 
-def test_each_sequence_plans_knowing_the_rest_of_the_pass():
+def test_each_sequence_plans_knowing_the_rest_of_the_pass(steady_clock):
     """Every sequence is told what else its pass will hold: the other sequences' rows as in the
     previous pass (one for a sequence that has not been in one) and the sequences in all."""
     draft_backend = NativeBackend(draft("float64"), cached_tokenizer())

@@ -438,7 +438,7 @@ def test_end_to_end_rejection_with_eagle3_matches_target_distribution(
 
 @pytest.mark.slow
 def test_end_to_end_rejection_with_adaptive_trees_matches_target_distribution(
-    e2e_models, one_thread, exactness_log
+    e2e_models, one_thread, exactness_log, steady_clock
 ):
     """The same fit when the adaptive policy shapes the draft model's trees (at most three
     branches) node by node, learning across the seeds (with a GPU's costs, where branching

@@ -669,7 +669,10 @@ def run_json(capsys, argv: list[str]) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
-def test_me_enables_eagle3_and_output_is_plain_output(saved_pair, capsys):
+def test_me_enables_eagle3_and_output_is_plain_output(saved_pair, capsys, fixed_costs):
+    """-me alone runs the head under the default (adaptive) policy, priced by fixed costs:
+    timed on a busy machine, a draft step of these tiny models can cost what a target pass
+    does, and the policy would rightly draft nothing."""
     target, head = saved_pair
     common = ["generate", "-m", str(target), "-p", "def f(x):", "-n", "24", "--temp", "0", "--json"]
     expected = run_json(capsys, [*common, "--spec-type", "none"])

@@ -458,7 +458,7 @@ def test_adaptive_policy_equals_plain(
     )
 
 
-def test_adaptive_policy_drafts_what_is_kept(zoo, exactness_log):
+def test_adaptive_policy_drafts_what_is_kept(zoo, exactness_log, steady_clock):
     """The adaptive property test is not vacuous: with a draft identical to the target, the
     policy drafts, and everything it drafts is kept."""
     spec = TargetSpec(seed=1, hidden=32, layers=2, eos_tie=False)

@@ -38,6 +38,10 @@ from specdecode.strategies.draft_model import DraftModelConfig, DraftModelStrate
 
 GREEDY = SamplingParams(temperature=0)
 
+# Each test sets the costs it stands for; the seconds its chains spend drafting, measured, would
+# add a busy machine's stalls to them (see conftest.steady_clock).
+pytestmark = pytest.mark.usefixtures("steady_clock")
+
 
 def cpu_costs(one_row: float = 0.012, draft_step: float = 0.001) -> CostModel:
     """Pass costs shaped as the bundled target's on a CPU (17 rows: 2.5x one row)."""

@@ -547,7 +547,7 @@ def test_a_policys_rule_decides_the_tree_nodes_in_place_of_p_min_and_p_split(zoo
         assert len(asked) == 1 and proposal.tokens == []  # refused the best: none of the rest asked
 
 
-def test_adaptive_policy_sizes_trees_each_step(zoo, exactness_log):
+def test_adaptive_policy_sizes_trees_each_step(zoo, exactness_log, steady_clock):
     """Under the policy, with room for four branches, the draft makes trees of several sizes
     (and chains, or nothing, where branching does not pay), and learns from their outcomes."""
     target, draft = make_backend(zoo, "native-float64"), make_backend(zoo, "native-float64", draft=True)
@@ -566,7 +566,7 @@ def test_adaptive_policy_sizes_trees_each_step(zoo, exactness_log):
     exactness_log.record("tree/draft-p_split-greedy/adaptive", "native-float64", result.stats, "n_predict")
 
 
-def test_adaptive_eagle3_trees_grow_where_rows_are_cheap(exactness_log):
+def test_adaptive_eagle3_trees_grow_where_rows_are_cheap(exactness_log, steady_clock):
     """The same head and text under a CPU's costs and a GPU's (a verify row nearly free): the
     policy drafts bigger EAGLE-3 trees where rows cost less, and both give plain's output."""
     target = eagle3_target()
