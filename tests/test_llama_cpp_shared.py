@@ -54,6 +54,22 @@ def test_forks_share_one_context_and_each_has_a_solo_forks_room(gguf_files):
     assert fast.forks(2)[0].max_pass_rows == fast._batch_rows  # exactness given up: one pass for all
 
 
+def test_with_two_threads_forks_keep_contexts_of_their_own_and_plain_bits(gguf_files):
+    """Two threads split the attention of a lone row over 512 cells or more between them: a
+    shared context cannot give such a row its second row, so forks are plain forks, and their
+    one-row passes there give the bits of a context of its own. Without exactness they share."""
+    two = replace(LLAMA, threads=2, n_ctx=1024)
+    base = load_backend(gguf_files["target-q8_0.gguf"], two)
+    forks, solo = base.forks(2), base.fork()
+    assert all(type(fork) is LlamaCppBackend for fork in forks)
+    prompt = [5 + (i * 7) % 300 for i in range(600)]
+    assert torch.equal(forks[0].evaluate(prompt, logits_rows=1), solo.evaluate(prompt, logits_rows=1))
+    for token in range(10, 20):
+        assert torch.equal(forks[0].evaluate([token]), solo.evaluate([token]))
+    fast = load_backend(gguf_files["target-q8_0.gguf"], replace(two, passes="bucketed"))
+    assert all(isinstance(fork, SharedLlamaCppBackend) for fork in fast.forks(2))
+
+
 @pytest.mark.parametrize("fmt", ["-q8_0", ""])
 def test_shared_passes_equal_each_sequences_own_passes(gguf_files, fmt):
     """Chains of 1..5 rows after prompts of different lengths, one past 256 cached positions

@@ -549,8 +549,13 @@ class LlamaCppBackend:
     def forks(self, count: int) -> list[LlamaCppBackend]:
         """`count` backends over the same weights that share ONE new context, each its own
         sequence of it, so that a batch scores all of their rows in one `llama_decode`
-        (`SharedLlamaCppBackend`), as llama-server does with its slots. One: a plain fork."""
-        if count < 2:
+        (`SharedLlamaCppBackend`), as llama-server does with its slots. One: a plain fork.
+
+        With more than one thread, where exactness is asked for, plain forks too: a lone row
+        of a shared pass would have its attention split among the threads, which only a
+        context of one's own can prevent (by the second row of `_decode`), so sharing would
+        give rows other bits than plain generation's past 256 cached tokens."""
+        if count < 2 or (self.exact and self.threads != 1):
             return [self.fork() for _ in range(count)]
         context = LlamaContext(
             self.model, self.name, self.n_ctx, self.n_batch, self.threads, sequences=count, unified=False
