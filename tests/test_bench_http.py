@@ -156,5 +156,7 @@ def test_a_real_server_answers_alike_alone_and_under_load(gguf_files, tmp_path):
     assert gap["prompt_error"] is None and gap["prompt_tokens"] == 100 and not gap["stream_errors"]
     # The tiny model's steps may all fall within SAME_STEP of each other (no pause to measure):
     # the figures' arithmetic is checked on set times above; here, that the run went through.
-    assert gap["prefill_wait_s"] > 0 and gap["streams_ended_early"] == 0
+    # Nor is streams_ended_early checked: a busy machine may let this process read a stream's
+    # first 16 events only after the server has sent all 256 of its tokens.
+    assert gap["prefill_wait_s"] > 0
     assert (tmp_path / "logs" / "ours.log").is_file()
