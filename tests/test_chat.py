@@ -16,7 +16,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from specdecode.api import Pipeline
-from specdecode.chat import ChatPrompt, own_template
+from specdecode.chat import ChatPrompt, encode_rendered, own_template
 from specdecode.cli import main
 from specdecode.errors import SpecdecodeError
 from specdecode.stats import DraftCounts, GenerationStats
@@ -93,7 +93,7 @@ def test_a_template_file_overrides_the_models_and_serves_a_model_without_one(mod
 def test_the_rendered_prompt_gets_one_bos_whether_or_not_the_template_writes_it(models):
     tokenizer = Pipeline.load(models["chat"]).target.tokenizer
     for template in (TEMPLATE, OTHER_TEMPLATE):
-        ids = ChatPrompt(SYSTEM, template).ids(tokenizer, USER, "test")
+        ids = encode_rendered(tokenizer, ChatPrompt(SYSTEM, template).text(tokenizer, USER, "test"))
         assert ids[0] == tokenizer.bos_token_id and ids[1] != tokenizer.bos_token_id
     assert ChatPrompt().text(tokenizer, USER, "test") == f"<|bos|><|user|>{USER}\n<|assistant|>"
 

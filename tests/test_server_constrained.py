@@ -291,6 +291,7 @@ def test_a_grammar_that_crashes_the_engine_takes_down_only_the_checking_process(
         [["a\udc00", -1]],
         {"9" * 30: 1},
         [[5, 10**400]],
+        [["", 10**400]],  # a text of no tokens: its bias is still checked
         {str(token): False for token in range(SPEC.vocab_size)},
         [[token, False] for token in range(SPEC.vocab_size)],
     ],

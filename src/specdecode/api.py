@@ -33,7 +33,6 @@ from specdecode.backends.hf_gguf import Use
 from specdecode.backends.load import backend_from_model, check_not_hub_id, load_backend
 from specdecode.backends.options import LoadOptions
 from specdecode.chain import Chain
-from specdecode.chat import chars_per_token, check_text_room
 from specdecode.config import (
     PRIORITY,
     SPEC_TYPE_ALIASES,
@@ -45,7 +44,7 @@ from specdecode.config import (
 from specdecode.constraints import Constraint, ConstraintSpec
 from specdecode.defaults import bundled_eagle3, bundled_pair
 from specdecode.errors import SpecdecodeError
-from specdecode.generate import Generation, GenerationConfig, check_room
+from specdecode.generate import Generation, GenerationConfig, chars_per_token, check_room, check_text_room
 from specdecode.policy import AdaptivePolicy, PolicyModels, check_policy
 from specdecode.sampling import Sampler, SamplingParams
 from specdecode.scheduler import BatchEngine, Entry, LoadRule

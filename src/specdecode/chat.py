@@ -6,16 +6,13 @@ assistant turn (add_generation_prompt). It comes from the model: a Hugging Face 
 tokenizer (tokenizer_config.json or chat_template.jinja), a GGUF file's `tokenizer.chat_template`
 metadata (which transformers' GGUF tokenizer reads); or from a file that overrides it.
 
-A prompt's text is measured before it is tokenized (`check_text_room`): a text of megabytes
-takes gigabytes to tokenize, and one that cannot fit the context is refused first.
-
 Light on purpose: the command line builds its flags from here before torch loads.
 """
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -24,8 +21,6 @@ from specdecode.errors import SpecdecodeError, read_text_file
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-# A normalizer may merge characters before tokenizing (NFC/NFKC compose up to 3 into one).
-NORMALIZER_SLACK = 4
 REASON_CHARS = 300  # of the first line of a template's error
 
 
@@ -73,31 +68,6 @@ def encode_rendered(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
     return encode(tokenizer, text, add_special=not (bos and text.startswith(bos)))
 
 
-def chars_per_token(entries: Iterable[str | None]) -> int:
-    """The most characters of text one token can stand for, from the vocabulary's entries (as
-    stored; None for an id without one): no token covers more characters than its entry holds
-    (byte-level and SentencePiece entries spell out at least the text they stand for), times
-    what a normalizer may merge."""
-    return max((len(entry) for entry in entries if entry), default=1) * NORMALIZER_SLACK
-
-
-def check_text_room(n_chars: int, per_token: int, n_predict: int, n_ctx: int) -> None:
-    """`specdecode.generate.check_room` for a prompt's text before it is tokenized: refuse a
-    text of `n_chars` characters whose fewest possible tokens (`per_token` characters each, see
-    `chars_per_token`) leave no room in the context for `n_predict` tokens (<= 0: for one)."""
-    least = -(-n_chars // per_token)
-    if least >= n_ctx:
-        raise SpecdecodeError(
-            f"the prompt is {n_chars} characters, so at least {least} tokens, but the context holds "
-            f"only {n_ctx}"
-        )
-    if n_predict > 0 and least + n_predict > n_ctx:
-        raise SpecdecodeError(
-            f"prompt ({n_chars} characters, so at least {least} tokens) + n_predict ({n_predict}) "
-            f"exceeds the context size ({n_ctx}); lower -n or raise -c"
-        )
-
-
 def encode(
     tokenizer: PreTrainedTokenizerBase, text: str, add_special: bool = True, parse_special: bool = True
 ) -> list[int]:
@@ -137,9 +107,6 @@ class ChatPrompt:
                 f"{model} has no chat template: give one with --chat-template-file FILE (a Jinja template)"
             )
         return render(tokenizer, self.messages(user), self.template)
-
-    def ids(self, tokenizer: PreTrainedTokenizerBase, user: str, model: str) -> list[int]:
-        return encode_rendered(tokenizer, self.text(tokenizer, user, model))
 
 
 def add_chat_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:

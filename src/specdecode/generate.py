@@ -25,7 +25,7 @@ no token (the logit bias bans every token the grammar allows) ends it too ("no a
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -41,6 +41,9 @@ from specdecode.stats import GenerationStats
 from specdecode.strategies import Draft
 from specdecode.text import TextAssembler
 from specdecode.verify import VERIFY_MODES, Verdict, verify_match, verify_rejection
+
+# A normalizer may merge characters before tokenizing (NFC/NFKC compose up to 3 into one).
+NORMALIZER_SLACK = 4
 
 
 @dataclass(frozen=True)
@@ -408,6 +411,32 @@ def exact_chunk_rows(target: Backend, solo: int) -> int:
     else:
         return 0
     return limit if solo <= limit else 0
+
+
+def chars_per_token(entries: Iterable[str | None]) -> int:
+    """The most characters of text one token can stand for, from the vocabulary's entries (as
+    stored; None for an id without one): no token covers more characters than its entry holds
+    (byte-level and SentencePiece entries spell out at least the text they stand for), times
+    what a normalizer may merge."""
+    return max((len(entry) for entry in entries if entry), default=1) * NORMALIZER_SLACK
+
+
+def check_text_room(n_chars: int, per_token: int, n_predict: int, n_ctx: int) -> None:
+    """`check_room` for a prompt's text before it is tokenized (a text of megabytes takes
+    gigabytes to tokenize): refuse a
+    text of `n_chars` characters whose fewest possible tokens (`per_token` characters each, see
+    `chars_per_token`) leave no room in the context for `n_predict` tokens (<= 0: for one)."""
+    least = -(-n_chars // per_token)
+    if least >= n_ctx:
+        raise SpecdecodeError(
+            f"the prompt is {n_chars} characters, so at least {least} tokens, but the context holds "
+            f"only {n_ctx}"
+        )
+    if n_predict > 0 and least + n_predict > n_ctx:
+        raise SpecdecodeError(
+            f"prompt ({n_chars} characters, so at least {least} tokens) + n_predict ({n_predict}) "
+            f"exceeds the context size ({n_ctx}); lower -n or raise -c"
+        )
 
 
 def check_room(prompt: Sequence[int], n_predict: int, n_ctx: int) -> None:

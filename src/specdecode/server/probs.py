@@ -177,7 +177,8 @@ def logit_bias(
         if len(item) != 2:
             raise APIError(400, "logit_bias pairs are [token id or text, bias]", param="logit_bias")
         key, bias = item
-        pairs.extend((token, _bias_value(bias)) for token in _bias_ids(tokenizer, key, vocab_size))
+        value = _bias_value(bias)
+        pairs.extend((token, value) for token in _bias_ids(tokenizer, key, vocab_size))
     if len({token for token, bias in pairs if bias == -math.inf}) >= vocab_size:
         raise APIError(400, "logit_bias keeps every token out", param="logit_bias")
     return tuple(pairs)

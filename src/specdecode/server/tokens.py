@@ -17,7 +17,7 @@ from typing import TypeVar
 
 from transformers import PreTrainedTokenizerBase
 
-from specdecode.chat import chars_per_token
+from specdecode.generate import chars_per_token
 from specdecode.server.errors import exceeds_context
 
 T = TypeVar("T")
