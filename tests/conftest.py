@@ -190,7 +190,6 @@ class ExactnessLog:
         self.accepting += stats.totals.n_accepted > 0
         self.rejecting += stats.totals.n_drafted > stats.totals.n_accepted
 
-
     def record_distribution(self, test: str, draws: int) -> None:
         """A chi-square fit of speculative draws to the target's exact distribution that passed."""
         self.distribution[test] += draws

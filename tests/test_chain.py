@@ -12,10 +12,10 @@ from hypothesis import strategies as st
 
 from specdecode import DraftModelConfig, GenerationConfig, Pipeline, SamplingParams
 from specdecode.chain import Chain
+from specdecode.drafts import Draft
 from specdecode.errors import SpecdecodeError
 from specdecode.generate import Generation
 from specdecode.sampling import Sampler
-from specdecode.strategies import Draft
 
 GREEDY = SamplingParams(temperature=0)
 V = 50

@@ -30,8 +30,9 @@ from hypothesis import strategies as st
 
 from specdecode import ConstraintSpec, DraftModelConfig, GenerationConfig, HFBackend, Pipeline, SamplingParams
 from specdecode.constraints import Constraint
+from specdecode.drafts import Draft
 from specdecode.errors import SpecdecodeError
-from specdecode.strategies import Draft, NgramMapConfig, NgramModConfig, NgramSettings
+from specdecode.strategies import NgramMapConfig, NgramModConfig, NgramSettings
 
 PERSON = {
     "type": "object",

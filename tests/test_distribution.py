@@ -21,8 +21,8 @@ import torch
 from conftest import chi_square_pvalue, gpu_policy
 
 from specdecode import DraftModelConfig, GenerationConfig, HFBackend, Pipeline, SamplingParams
+from specdecode.drafts import Draft
 from specdecode.sampling import Sampler, distribution
-from specdecode.strategies import Draft
 from specdecode.testing import make_llama, make_tokenizer, perturbed_copy
 from specdecode.train.eagle3 import HeadShape, new_head, ttt_loss
 from specdecode.verify import verify_rejection

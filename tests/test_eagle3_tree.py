@@ -25,9 +25,9 @@ from conftest import (
 )
 
 from specdecode import DraftModelConfig, Sampler, SamplingParams
+from specdecode.drafts import Draft
 from specdecode.policy import PolicyModels, Stopper
 from specdecode.sampling import distribution
-from specdecode.strategies.base import Draft
 from specdecode.strategies.eagle3 import Eagle3Strategy
 from specdecode.strategies.eagle3_head import HeadCache, HeadTree
 from specdecode.verify import verify_rejection

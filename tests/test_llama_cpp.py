@@ -30,10 +30,10 @@ from specdecode.backends.hf import LoadOptions
 from specdecode.backends.llama_cpp import MAX_SEQUENCES, PROBE_PASSES, TILED_SWITCH, LlamaCppBackend
 from specdecode.backends.load import load_backend
 from specdecode.cli import main
+from specdecode.drafts import path_to
 from specdecode.errors import SpecdecodeError
 from specdecode.sampling import Sampler, distribution
 from specdecode.strategies import NgramMapConfig, NgramModConfig, NgramSettings
-from specdecode.strategies.base import path_to
 from specdecode.testing import save_model
 
 llama_cpp = pytest.importorskip("llama_cpp")

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specdecode.strategies.base import Draft
+from specdecode.drafts import Draft
 from specdecode.strategies.ngram_map import NgramMapStrategy
 from specdecode.strategies.ngram_simple import NgramMapConfig
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from specdecode import pass_cache, policy
+from specdecode import policy
 from specdecode.api import Pipeline
-from specdecode.backends import Backend
+from specdecode.backends import Backend, pass_cache
 from specdecode.backends.load import load_backend
 from specdecode.policy import CALIBRATION_ROWS, PolicyModels
 

@@ -14,6 +14,7 @@ from conftest import TargetSpec
 from specdecode import GenerationConfig, Pipeline, SamplingParams
 from specdecode.chain import Chain
 from specdecode.cli import build_parser
+from specdecode.drafts import Draft
 from specdecode.errors import SpecdecodeError
 from specdecode.policy import (
     CALIBRATION_ROWS,
@@ -33,7 +34,6 @@ from specdecode.policy import (
     depth_cell,
     expected_tokens,
 )
-from specdecode.strategies import Draft
 from specdecode.strategies.draft_model import DraftModelConfig, DraftModelStrategy
 
 GREEDY = SamplingParams(temperature=0)

@@ -15,10 +15,10 @@ from conftest import TargetSpec, chi_square_pvalue, cpu_policy
 from specdecode import GenerationConfig, HFBackend, Pipeline, SamplingParams
 from specdecode.cli import build_parser, ngram_from_args
 from specdecode.config import SuffixConfig, parse_spec_types
+from specdecode.drafts import Draft
 from specdecode.errors import SpecdecodeError
 from specdecode.server.metrics import Metrics
 from specdecode.strategies import NgramSettings, SharedState
-from specdecode.strategies.base import Draft
 from specdecode.strategies.ngram_cache import save as save_ngram_cache
 from specdecode.strategies.suffix import (
     BYTES_PER_TOKEN,

@@ -40,11 +40,10 @@ from specdecode import DraftModelConfig, GenerationConfig, HFBackend, Pipeline, 
 from specdecode.backends.native import NativeBackend
 from specdecode.chain import Chain
 from specdecode.cli import main
+from specdecode.drafts import Draft, path_to
 from specdecode.errors import SpecdecodeError
 from specdecode.generate import Generation
 from specdecode.sampling import Sampler, distribution
-from specdecode.strategies import Draft
-from specdecode.strategies.base import path_to
 from specdecode.testing import make_llama, perturbed_copy
 from specdecode.verify import verify_match, verify_rejection
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 from conftest import CountingSampler
 
+from specdecode.drafts import Draft
 from specdecode.sampling import Sampler, SamplingParams, distribution
-from specdecode.strategies import Draft
 from specdecode.verify import verify_match, verify_rejection
 
 V = 8

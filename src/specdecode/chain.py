@@ -34,10 +34,11 @@ from typing import Any
 import torch
 
 from specdecode.constraints import Constraint
+from specdecode.drafts import Draft
 from specdecode.errors import SpecdecodeError
 from specdecode.policy import ALONE, AdaptivePolicy, PassLoad, PassShare, Stopper
 from specdecode.stats import StrategyStats
-from specdecode.strategies import Draft, Strategy
+from specdecode.strategies import Strategy
 from specdecode.strategies.base import Steerable
 
 # Raised by a strategy, these end the generation as they would without speculation.

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import importlib
 import json
 import os
 import sys
 import textwrap
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
@@ -903,6 +904,15 @@ def build_parser() -> Parser:
     return parser
 
 
+def handler(named: Callable[[argparse.Namespace], None] | str) -> Callable[[argparse.Namespace], None]:
+    """A command's handler: the function itself, or "module:function" for a command whose module
+    is imported only when it runs (so that a flags module imports no command)."""
+    if callable(named):
+        return named
+    module, _, function = named.partition(":")
+    return getattr(importlib.import_module(module), function)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = list(argv) if argv is not None else sys.argv[1:]  # what `train --nproc` starts again
@@ -914,7 +924,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             from transformers.utils import logging as hf_logging
 
             hf_logging.disable_progress_bar()
-        args.handler(args)
+        handler(args.handler)(args)
     except SpecdecodeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

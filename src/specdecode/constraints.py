@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from specdecode.drafts import Draft, path_to
 from specdecode.errors import SpecdecodeError
 from specdecode.grammars import (
     ConstraintSpec,
@@ -43,7 +44,6 @@ from specdecode.grammars import (
     one_line,
     parser_limits,
 )
-from specdecode.strategies.base import Draft, path_to
 
 if TYPE_CHECKING:
     import llguidance

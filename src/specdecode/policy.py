@@ -69,8 +69,7 @@ from itertools import combinations
 
 import numpy as np
 
-from specdecode import pass_cache
-from specdecode.backends import Backend, common_prefix
+from specdecode.backends import Backend, common_prefix, pass_cache
 from specdecode.config import SPEC_POLICIES
 from specdecode.errors import SpecdecodeError
 
@@ -546,7 +545,7 @@ class PolicyModels:
         drafts: Mapping[str, Backend] | None = None,
     ) -> PolicyModels:
         """Models whose pass costs are timed on `target` now, or read from an earlier run's timing
-        of the same model on this machine (`specdecode.pass_cache`) where a one-row pass timed
+        of the same model on this machine (`specdecode.backends.pass_cache`) where a one-row pass timed
         now agrees with it (`_staleness`; else all are timed again and stored); `progress` is
         told which. drafts: the drafting models by strategy name, whose steps (one-row passes)
         are timed the same way, too briefly to announce. Priced at PRIOR_DRAFT_STEP of a target pass until its

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import torch
 
 from specdecode.config import VERIFY_MODES as VERIFY_MODES  # re-exported: generate reads it here
+from specdecode.drafts import Draft
 from specdecode.sampling import Sampler, distribution
-from specdecode.strategies.base import Draft
 
 
 @dataclass(frozen=True)

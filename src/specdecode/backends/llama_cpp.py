@@ -41,8 +41,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from specdecode import pass_cache
-from specdecode.backends import VocabInfo, WholeChunks, check_cache_room
+from specdecode.backends import VocabInfo, WholeChunks, check_cache_room, pass_cache
 from specdecode.backends.batch import RowGroup
 from specdecode.backends.hidden import HiddenRows
 from specdecode.backends.options import LoadOptions
@@ -362,7 +361,7 @@ class LlamaCppBackend:
 
     def _probed_rows(self) -> int:
         """The probe's `invariant_rows`, probing on first use. The verdict is kept with the pass
-        timings (see `specdecode.pass_cache`), keyed by the file, the repacking, the threads, the
+        timings (see `specdecode.backends.pass_cache`), keyed by the file, the repacking, the threads, the
         context, the machine and llama.cpp's libraries and switches, so that the probe runs
         once per such key rather than at every start."""
         if self.model.probe is None:

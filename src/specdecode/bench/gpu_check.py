@@ -62,9 +62,10 @@ from specdecode.backends.hf import DTYPES, load_tokenizer
 from specdecode.backends.load import native_backend
 from specdecode.chain import Chain
 from specdecode.defaults import bundled_pair
+from specdecode.drafts import Draft
 from specdecode.generate import Generation, GenerationConfig
 from specdecode.sampling import Sampler, SamplingParams
-from specdecode.strategies import Draft, DraftModelConfig, NgramMapConfig, NgramSettings
+from specdecode.strategies import DraftModelConfig, NgramMapConfig, NgramSettings
 
 SECTIONS = ("exactness", "passes", "speed", "goals")
 MODES = ("fixed", "bucketed", "invariant")

@@ -15,9 +15,10 @@ from typing import TYPE_CHECKING
 
 from specdecode.backends import Backend
 from specdecode.config import PRIORITY, NgramSettings, parse_spec_types
+from specdecode.drafts import Draft
 from specdecode.errors import SpecdecodeError
 from specdecode.sampling import Sampler, SamplingParams
-from specdecode.strategies.base import Draft, Strategy
+from specdecode.strategies.base import Strategy
 from specdecode.strategies.draft_model import DraftModelConfig, DraftModelStrategy
 from specdecode.strategies.eagle3 import Eagle3Strategy
 from specdecode.strategies.forced import ForcedStrategy

@@ -31,9 +31,10 @@ import torch
 
 from specdecode.backends import Backend, evaluate_continuation
 from specdecode.config import DraftModelConfig
+from specdecode.drafts import Draft, path_to
 from specdecode.errors import SpecdecodeError
 from specdecode.sampling import NO_TOKEN, Sampler, distribution
-from specdecode.strategies.base import Draft, KeepDrafting, path_to
+from specdecode.strategies.base import KeepDrafting
 from specdecode.vocab import VocabTranslator
 
 if TYPE_CHECKING:

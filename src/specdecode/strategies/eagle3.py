@@ -42,8 +42,9 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from specdecode.backends import Backend, common_prefix, hidden_state_source
+from specdecode.drafts import Draft, path_to
 from specdecode.sampling import NO_TOKEN, Sampler, distribution
-from specdecode.strategies.base import Draft, KeepDrafting, path_to
+from specdecode.strategies.base import KeepDrafting
 from specdecode.strategies.draft_model import DraftModelConfig, continue_draft, look_further, top1_confidence
 from specdecode.strategies.eagle3_head import Eagle3Head, HeadCache, HeadTree
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, ClassVar
 
-from specdecode.strategies.base import Draft
+from specdecode.drafts import Draft
 
 if TYPE_CHECKING:
     from specdecode.constraints import Constraint

@@ -34,8 +34,8 @@ from typing import Any, TypeAlias
 
 import numpy as np
 
+from specdecode.drafts import Draft
 from specdecode.errors import SpecdecodeError, write_atomically
-from specdecode.strategies.base import Draft
 
 NgramCache: TypeAlias = dict[tuple[int, ...], dict[int, int]]
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from specdecode.strategies.base import Draft
+from specdecode.drafts import Draft
 from specdecode.strategies.ngram_simple import NgramMapConfig
 
 N_BUCKETS = 1 << 18

@@ -23,8 +23,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from specdecode.config import NgramModConfig
+from specdecode.drafts import Draft
 from specdecode.errors import SpecdecodeError
-from specdecode.strategies.base import Draft
 
 POOL_SIZE = 4 * 1024 * 1024
 EMPTY = -1

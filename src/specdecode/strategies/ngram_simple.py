@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from specdecode.config import NgramMapConfig
-from specdecode.strategies.base import Draft
+from specdecode.drafts import Draft
 
 
 class NgramSimpleStrategy:

@@ -39,8 +39,8 @@ from pathlib import Path
 import numpy as np
 
 from specdecode.config import SuffixConfig
+from specdecode.drafts import Draft
 from specdecode.errors import SpecdecodeError, write_atomically
-from specdecode.strategies.base import Draft
 
 KEY = 3  # tokens hashed to find occurrences: a shorter match drafts nothing
 CANDIDATES = 256  # most recent occurrences read from each index per draft
