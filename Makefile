@@ -37,7 +37,7 @@ demo: setup
 # the llama-cpp-python source release of the installed version, so from the very llama.cpp the
 # backend runs, with the same portable flags, into build/llama-tools:
 #   llama-tools      llama.cpp's own programs (speculative-simple, lookup, completion, bench,
-#                    server), for python -m specdecode.bench.llama_tools and bench-serve
+#                    server), for python -m specdecode.compare.llama_tools and bench-serve --http
 #   llama-invariant  its libraries without the batched GEMM paths (llamafile's sgemm, repacked
 #                    layouts), whose rows are bit-identical in every pass: run with
 #                    LLAMA_CPP_LIB_PATH=build/llama-tools/invariant/bin. The third such path,
@@ -75,7 +75,7 @@ llama-invariant: setup
 # build/gpu-check/gpu_check.{json,md}. It runs on the system's Python, without the venv: a GPU
 # machine has torch, transformers and their kin installed. GPU_CHECK_ARGS=--quick for smaller sizes.
 gpu-check:
-	PYTHONPATH=src $(PYTHON) -m specdecode.bench.gpu_check --out build/gpu-check $(GPU_CHECK_ARGS)
+	PYTHONPATH=src $(PYTHON) -m specdecode.compare.gpu_check --out build/gpu-check $(GPU_CHECK_ARGS)
 
 lint: setup
 	$(BIN)/ruff check src tests

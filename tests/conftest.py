@@ -29,7 +29,8 @@ from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
 import specdecode.chain
 from specdecode import HFBackend, Sampler, SamplingParams
-from specdecode.policy import CostModel, DraftCalls, PolicyModels
+from specdecode.costs import CostModel, DraftCalls
+from specdecode.policy import PolicyModels
 from specdecode.testing import make_llama, make_tokenizer, perturbed_copy, save_model, truncated_copy
 
 VOCAB_SIZE = 320

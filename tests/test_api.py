@@ -24,13 +24,14 @@ from specdecode import (
     SamplingParams,
     SpecdecodeError,
 )
-from specdecode.api import SpeculativeChoice, settings_from
 from specdecode.backends.hf import HFBackend
 from specdecode.backends.load import load_backend
 from specdecode.backends.native import NativeBackend
 from specdecode.config import SuffixConfig
 from specdecode.defaults import bundled_eagle3, bundled_pair
+from specdecode.keywords import settings_from
 from specdecode.server.settings import ServerSettings
+from specdecode.speculative_config import SpeculativeChoice
 from specdecode.testing import save_model
 
 SPEC = TargetSpec(seed=3)

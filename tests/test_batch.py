@@ -22,8 +22,9 @@ from specdecode.backends.batch import RowGroup, evaluate_groups
 from specdecode.backends.gather import DraftPasses, GatheredBackend
 from specdecode.backends.native import NativeBackend
 from specdecode.constraints import ConstraintSpec
+from specdecode.costs import ALONE, CostModel, PassLoad
 from specdecode.errors import SpecdecodeError
-from specdecode.policy import ALONE, CostModel, PassLoad, PolicyModels
+from specdecode.policy import PolicyModels
 from specdecode.scheduler import (
     EXPLORE_BUDGET,
     EXPLORE_MAX,

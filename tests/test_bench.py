@@ -16,13 +16,13 @@ import pytest
 from specdecode.backends.hf import HFBackend
 from specdecode.bench import drafting, passes
 from specdecode.bench.command import answer_text
-from specdecode.bench.flags import AGENT_TASKS, ALL_TASKS, CHAT_TASKS
 from specdecode.bench.machine import CPU_FLAGS, Machine, git_commit, machine_line
 from specdecode.bench.metrics import ideal_speedup, solve_alpha, summarize
+from specdecode.bench.names import AGENT_TASKS, ALL_TASKS, CHAT_TASKS, TASK_NAMES
 from specdecode.bench.plots import _pooled_positions, acceptance_by_position
 from specdecode.bench.suite import Measurement, rounds, run_suite
 from specdecode.bench.systems import build_systems, system_names
-from specdecode.bench.tasks import TASK_NAMES, Task, as_chats, build_tasks
+from specdecode.bench.tasks import Task, as_chats, build_tasks
 from specdecode.chat import ChatPrompt
 from specdecode.cli import build_parser, main
 from specdecode.config import NgramModConfig

@@ -9,26 +9,19 @@ import time
 
 import pytest
 
-from specdecode.bench.against_llama import (
+from specdecode.cli import main
+from specdecode.compare.against_llama import level_row, markdown, percentile, solo_answers, summarize
+from specdecode.compare.http_gap import Stream, gap_figures, gap_run, pauses
+from specdecode.compare.http_servers import (
     Answer,
-    Stream,
     System,
     build_systems,
     chosen,
     closed_loop,
     counterpart,
-    gap_figures,
-    gap_run,
-    level_row,
-    markdown,
-    pauses,
-    percentile,
     process_cpu_seconds,
     running,
-    solo_answers,
-    summarize,
 )
-from specdecode.cli import main
 from specdecode.errors import SpecdecodeError
 
 

@@ -14,6 +14,7 @@ import torch
 
 from specdecode.api import Pipeline
 from specdecode.backends.hf import HFBackend
+from specdecode.cli import handler
 from specdecode.errors import SpecdecodeError
 from specdecode.strategies import DraftModelConfig
 from specdecode.testing import make_llama, sample_text
@@ -128,7 +129,7 @@ def test_eval_command(saved_model_dir: Path, tmp_path: Path, capsys) -> None:
     model = str(saved_model_dir)
     argv = ["eval", "-m", model, "-md", model, "--corpus", str(corpus), "--prompts", "2", "-n", "8"]
     args = _parse([*argv, "--window", "32", "--max-tokens", "200", "--json", str(out)])
-    args.handler(args)
+    handler(args.handler)(args)
     printed = capsys.readouterr().out
     assert "perplexity target (model):" in printed and "perplexity draft (model):" in printed
     numbers = json.loads(out.read_text())

@@ -11,7 +11,8 @@ import textwrap
 
 import pytest
 
-from specdecode.bench.gpu_check import ORACLE_SYSTEM, SECTIONS, Report
+from specdecode.compare.gpu_report import Report
+from specdecode.compare.gpu_setup import ORACLE_SYSTEM, SECTIONS
 
 # What a GPU machine's system packages lack: the project's optional dependencies and dev tools
 # (torch, transformers with its own dependencies, safetensors, tokenizers and numpy are there).
@@ -40,7 +41,7 @@ import sys
 
 sys.modules.update(dict.fromkeys({not_there!r}))
 
-from specdecode.bench.gpu_check import main
+from specdecode.compare.gpu_check import main
 
 sys.exit(main({argv!r}))
 """

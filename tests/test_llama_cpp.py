@@ -27,7 +27,10 @@ from conftest import TargetSpec, cached_tokenizer, draft_model, target_model
 
 from specdecode import DraftModelConfig, GenerationConfig, Pipeline, SamplingParams
 from specdecode.backends.hf import LoadOptions
-from specdecode.backends.llama_cpp import MAX_SEQUENCES, PROBE_PASSES, TILED_SWITCH, LlamaCppBackend
+from specdecode.backends.llama_cpp import LlamaCppBackend
+from specdecode.backends.llama_lib import TILED_SWITCH
+from specdecode.backends.llama_model import MAX_SEQUENCES
+from specdecode.backends.llama_probe import PROBE_PASSES
 from specdecode.backends.load import load_backend
 from specdecode.cli import main
 from specdecode.drafts import path_to

@@ -22,7 +22,8 @@ from specdecode import DraftModelConfig, GenerationConfig, Pipeline, SamplingPar
 from specdecode.backends.batch import RowGroup, evaluate_each, evaluate_groups
 from specdecode.backends.gather import DraftPasses
 from specdecode.backends.hf import LoadOptions
-from specdecode.backends.llama_cpp import WIDE_PASSES, LlamaCppBackend, SharedLlamaCppBackend
+from specdecode.backends.llama_cpp import LlamaCppBackend, SharedLlamaCppBackend
+from specdecode.backends.llama_probe import WIDE_PASSES
 from specdecode.backends.load import load_backend
 from specdecode.errors import SpecdecodeError
 from specdecode.generate import exact_chunk_rows

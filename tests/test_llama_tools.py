@@ -1,4 +1,4 @@
-"""The side-by-side benchmark with llama.cpp's own programs (`specdecode.bench.llama_tools`).
+"""The side-by-side benchmark with llama.cpp's own programs (`specdecode.compare.llama_tools`).
 
 - What it reads from the programs' output: llama.cpp's own line formats, the generated text.
 - Without the programs (`make llama-tools`) it says how to build them; with them, a short run
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from specdecode.bench import llama_tools
 from specdecode.chat import ChatPrompt, encode, encode_rendered
+from specdecode.compare import llama_chat, llama_programs, llama_tools
 from specdecode.errors import SpecdecodeError
 from specdecode.testing import make_tokenizer
 
@@ -39,30 +39,30 @@ COMPLETION_TAIL = """\
 
 
 def test_it_reads_llama_cpps_lines():
-    decoded = llama_tools.DECODED.search(SPECULATIVE_SIMPLE_TAIL)
+    decoded = llama_programs.DECODED.search(SPECULATIVE_SIMPLE_TAIL)
     assert (decoded[1], decoded[2]) == ("65", "0.371")
-    assert llama_tools.DRAFTED.search(SPECULATIVE_SIMPLE_TAIL)[1] == "31"
-    assert llama_tools.ACCEPTED.search(SPECULATIVE_SIMPLE_TAIL)[1] == "26"
-    evaluated = llama_tools.EVAL.search(COMPLETION_TAIL)  # not the prompt's line
+    assert llama_programs.DRAFTED.search(SPECULATIVE_SIMPLE_TAIL)[1] == "31"
+    assert llama_programs.ACCEPTED.search(SPECULATIVE_SIMPLE_TAIL)[1] == "26"
+    evaluated = llama_programs.EVAL.search(COMPLETION_TAIL)  # not the prompt's line
     assert (evaluated[1], evaluated[2]) == ("292.58", "127")
-    assert llama_tools.SAMPLING.search(COMPLETION_TAIL)[1] == "3.69"
+    assert llama_programs.SAMPLING.search(COMPLETION_TAIL)[1] == "3.69"
 
 
 def test_it_compares_texts_up_to_llama_cpps_extra_token():
     stdout = "\n\n<|bos|>def f(x):\n    return x + 1\n\n\n"
-    theirs = llama_tools.generated_text(stdout, "def f(x):")
+    theirs = llama_programs.generated_text(stdout, "def f(x):")
     assert theirs.startswith("\n    return x + 1")
-    assert llama_tools.same_text("\n    return x", theirs)
-    assert not llama_tools.same_text("\n    return y", theirs)
-    assert llama_tools.generated_text(stdout, "absent") == ""
+    assert llama_programs.same_text("\n    return x", theirs)
+    assert not llama_programs.same_text("\n    return y", theirs)
+    assert llama_programs.generated_text(stdout, "absent") == ""
 
 
 def test_without_the_programs_it_says_how_to_build_them(tmp_path):
     with pytest.raises(SpecdecodeError, match="make llama-tools"):
-        llama_tools.run_tool(tmp_path, "llama-lookup", [], llama_tools.DECODED)
+        llama_programs.run_tool(tmp_path, "llama-lookup", [], llama_programs.DECODED)
 
 
-TOOLS = llama_tools.DEFAULT_TOOLS
+TOOLS = llama_programs.DEFAULT_TOOLS
 needs_tools = pytest.mark.skipif(
     not (TOOLS / "llama-speculative-simple").exists(),
     reason="llama.cpp's programs not built (make llama-tools)",
@@ -75,7 +75,7 @@ def test_a_short_side_by_side_run(gguf_files, tmp_path):
     (folder / "llama.cpp").mkdir(parents=True)
     for role in ("target", "draft"):
         (folder / "llama.cpp" / f"{role}.gguf").symlink_to(Path(gguf_files[f"{role}-q8_0.gguf"]))
-    systems = tuple(s for s in llama_tools.SYSTEMS if s.name in ("plain", "draft"))
+    systems = tuple(s for s in llama_programs.SYSTEMS if s.name in ("plain", "draft"))
     results, invariant = llama_tools.measure_pair(folder, ["def wrap(text):"], 16, 1, TOOLS, systems)
     assert invariant  # Q8_0
     for side in ("ours", "llama.cpp"):
@@ -98,7 +98,7 @@ TEMPLATE_WITH_BOS = (
 
 
 def test_chat_runs_give_llama_cpps_programs_the_settings_asked():
-    systems = {s.name: s for s in llama_tools.chat_tool_systems()}
+    systems = {s.name: s for s in llama_programs.chat_tool_systems()}
     assert list(systems) == [
         "llama-completion",
         "llama-speculative-simple 3/0",
@@ -110,12 +110,12 @@ def test_chat_runs_give_llama_cpps_programs_the_settings_asked():
     for name, (n_max, p_min) in zip(
         list(systems)[1:4], [("3", "0.0"), ("8", "0.5"), ("16", "0.75")], strict=True
     ):
-        arguments = llama_tools.tool_arguments(systems[name], target, draft, prompt, 64)
+        arguments = llama_programs.tool_arguments(systems[name], target, draft, prompt, 64)
         assert arguments[arguments.index("--spec-type") + 1] == "draft-simple"  # not the default
         assert arguments[arguments.index("-md") + 1] == "d.gguf"
         assert arguments[arguments.index("--spec-draft-n-max") + 1] == n_max
         assert arguments[arguments.index("--spec-draft-p-min") + 1] == p_min
-    completion = llama_tools.tool_arguments(systems["llama-completion"], target, draft, prompt, 64)
+    completion = llama_programs.tool_arguments(systems["llama-completion"], target, draft, prompt, 64)
     assert {"-no-cnv", "--verbose-prompt", "--no-escape"} <= set(completion)
     for flag, value in (("-m", "t.gguf"), ("-f", "p.txt"), ("-n", "64"), ("-t", "1"), ("--temp", "0")):
         assert completion[completion.index(flag) + 1] == value
@@ -127,31 +127,31 @@ def test_llama_cpp_reads_the_same_prompt_tokens_as_ours():
     text = ChatPrompt(template=TEMPLATE_WITH_BOS).text(tokenizer, "def f(x):", "test")
     assert text.startswith("<|bos|>")
     ours = encode_rendered(tokenizer, text)
-    theirs = llama_tools.tool_prompt(text, tokenizer.bos_token, adds_bos=True)
+    theirs = llama_programs.tool_prompt(text, tokenizer.bos_token, adds_bos=True)
     assert [tokenizer.bos_token_id, *encode(tokenizer, theirs, add_special=False)] == ours
-    assert llama_tools.tool_prompt(text, tokenizer.bos_token, adds_bos=False) == text
-    assert llama_tools.prompt_tokens(VERBOSE_PROMPT) == [151644, 8948, 198]
+    assert llama_programs.tool_prompt(text, tokenizer.bos_token, adds_bos=False) == text
+    assert llama_programs.prompt_tokens(VERBOSE_PROMPT) == [151644, 8948, 198]
     with pytest.raises(SpecdecodeError, match="verbose-prompt"):
-        llama_tools.prompt_tokens("no list")
+        llama_programs.prompt_tokens("no list")
 
 
 def test_it_reads_each_programs_generated_tokens_and_times():
-    systems = {s.name: s for s in llama_tools.chat_tool_systems()}
-    assert llama_tools.tool_figures(systems["llama-completion"], COMPLETION_TAIL) == (127, 0.29627, 0, 0)
-    figures = llama_tools.tool_figures(systems["llama-speculative-simple 3/0"], SPECULATIVE_SIMPLE_TAIL)
+    systems = {s.name: s for s in llama_programs.chat_tool_systems()}
+    assert llama_programs.tool_figures(systems["llama-completion"], COMPLETION_TAIL) == (127, 0.29627, 0, 0)
+    figures = llama_programs.tool_figures(systems["llama-speculative-simple 3/0"], SPECULATIVE_SIMPLE_TAIL)
     assert figures == (65, 0.371, 31, 26)
-    assert llama_tools.COLOUR.sub("", "\x1b[36mdef\x1b[37m f") == "def f"
+    assert llama_programs.COLOUR.sub("", "\x1b[36mdef\x1b[37m f") == "def f"
 
 
 def test_chat_rows_are_medians_over_rounds_of_sums_over_prompts():
     def tally(tokens, seconds, cpu_seconds, generation_seconds, drafted=0, accepted=0):
-        return llama_tools.Tally(tokens, seconds, drafted, accepted, cpu_seconds, generation_seconds)
+        return llama_programs.Tally(tokens, seconds, drafted, accepted, cpu_seconds, generation_seconds)
 
     tallies = {
         "plain": [tally(64, 4.0, 2.0, 3.2), tally(64, 2.0, 1.0, 1.6), tally(64, 8.0, 4.0, 6.4)],
         "llama-lookup": [tally(60, 6.0, 3.0, 2.0, 8, 4)] * 3,
     }
-    rows = llama_tools.chat_rows(tallies, {"plain": [True] * 3, "llama-lookup": [True, False, True]})
+    rows = llama_chat.chat_rows(tallies, {"plain": [True] * 3, "llama-lookup": [True, False, True]})
     plain, lookup = rows
     assert (plain["side"], plain["tokens_per_second"], plain["tokens_per_cpu_second"]) == ("ours", 16.0, 32.0)
     assert plain["generation_tokens_per_second"] == 20.0 and plain["tokens"] == 192
@@ -162,9 +162,9 @@ def test_chat_rows_are_medians_over_rounds_of_sums_over_prompts():
 
 def test_chat_figures_are_given_per_task_and_over_all_tasks(capsys):
     def tally(tokens, seconds, cpu_seconds):
-        return llama_tools.Tally(tokens, seconds, cpu_seconds=cpu_seconds, generation_seconds=seconds)
+        return llama_programs.Tally(tokens, seconds, cpu_seconds=cpu_seconds, generation_seconds=seconds)
 
-    results = llama_tools.ChatResults(
+    results = llama_chat.ChatResults(
         tallies={
             "chat-edit": {
                 "plain": [tally(64, 2.0, 2.0), tally(64, 4.0, 4.0)],
@@ -186,9 +186,9 @@ def test_chat_figures_are_given_per_task_and_over_all_tasks(capsys):
         (96, 6.0, 5.0),
     ]
     assert agree["llama-lookup"] == [True, False, True, True]
-    total = llama_tools.chat_rows(tallies, agree)
+    total = llama_chat.chat_rows(tallies, agree)
     by_task = {
-        task: llama_tools.chat_rows(results.tallies[task], results.agree[task]) for task in results.tallies
+        task: llama_chat.chat_rows(results.tallies[task], results.agree[task]) for task in results.tallies
     }
     assert [row["tokens_per_cpu_second"] for row in by_task["chat-edit"]] == [24.0, 64.0]  # medians of 32, 16
     assert [row["tokens_per_cpu_second"] for row in by_task["chat-qa"]] == [32.0, 8.0]
@@ -196,7 +196,7 @@ def test_chat_figures_are_given_per_task_and_over_all_tasks(capsys):
         25.6,
         19.2,
     ]  # over the tasks' sums: lookup loses
-    llama_tools.print_task_table(by_task, total)
+    llama_chat.print_task_table(by_task, total)
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[0].startswith("| system | side | chat-edit tok/CPU-s | chat-edit tok/s | chat-qa tok/CPU-s")
     assert lines[2] == "| plain | ours | 24.0 | 24.0 | 32.0 | 16.0 | 25.6 | 20.0 |"
@@ -227,14 +227,14 @@ def test_a_short_chat_run_side_by_side(gguf_files, templated):
     chat = ChatPrompt(template=TEMPLATE_WITH_BOS) if templated else None
     target, draft = Path(gguf_files["target-q8_0.gguf"]), Path(gguf_files["draft-q8_0.gguf"])
     prompts = [("free", "def wrap(text):"), ("edit", "x = 1")] if templated else [("free", "def wrap(text):")]
-    results = llama_tools.measure_chat(target, draft, prompts, 8, 1, TOOLS, chat, no_repack=templated)
+    results = llama_chat.measure_chat(target, draft, prompts, 8, 1, TOOLS, chat, no_repack=templated)
     assert list(results.tallies) == [task for task, _ in prompts]
     ours = [
-        *llama_tools.OURS_CHAT,
-        *((name + " -nr" for name in llama_tools.OURS_CHAT[:2]) if templated else ()),
+        *llama_chat.OURS_CHAT,
+        *((name + " -nr" for name in llama_chat.OURS_CHAT[:2]) if templated else ()),
     ]
-    rows = {row["system"]: row for row in llama_tools.chat_rows(*results.total())}
-    assert set(rows) == {*ours, *(s.name for s in llama_tools.chat_tool_systems())}
+    rows = {row["system"]: row for row in llama_chat.chat_rows(*results.total())}
+    assert set(rows) == {*ours, *(s.name for s in llama_programs.chat_tool_systems())}
     for row in rows.values():
         assert row["tokens"] > 0 and row["tokens_per_cpu_second"] > 0, row
     assert all(rows[name]["same_as_plain"] == len(prompts) and rows[name]["side"] == "ours" for name in ours)

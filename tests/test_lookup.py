@@ -1,5 +1,5 @@
 """The lookup tools: create, merge, stats (llama-lookup-stats' simulated verifier) and their
-argparse handlers (`specdecode lookup ...`, registered by specdecode.cli.add_lookup_parser).
+argparse handlers (`specdecode lookup ...`, registered by specdecode.cli.lookup_flags.add_lookup_parser).
 
 Expected counters are derived by hand from the rules in the reference (§5.4); ties between
 draft candidates never occur in these token lists.
@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from specdecode.cli import add_lookup_parser
+from specdecode.cli import handler
+from specdecode.cli.lookup_flags import add_lookup_parser
 from specdecode.errors import SpecdecodeError
 from specdecode.lookup import (
     LookupStats,
@@ -139,7 +140,7 @@ def run(*argv: str | Path) -> None:
     parser = argparse.ArgumentParser()
     add_lookup_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["lookup", *map(str, argv)])
-    args.handler(args)
+    handler(args.handler)(args)
 
 
 def test_create_and_stats_commands(model_dir, tokenizer, tmp_path, capsys):

@@ -36,18 +36,18 @@ from transformers import (
 )
 
 from specdecode import DraftModelConfig, GenerationConfig, HFBackend, LoadOptions, Pipeline, SamplingParams
-from specdecode.backends.load import load_backend
-from specdecode.backends.native import (
+from specdecode.backends.invariant import (
     INVARIANT_ROWS,
     ONE_PRODUCT,
     ROW_BY_ROW,
-    NativeBackend,
     Plan,
     Projection,
     _pack,
     invariance_plan,
-    native_unsupported,
 )
+from specdecode.backends.load import load_backend
+from specdecode.backends.native import NativeBackend
+from specdecode.backends.native_weights import native_unsupported
 from specdecode.cli import main
 from specdecode.errors import SpecdecodeError
 from specdecode.strategies import NgramMapConfig, NgramModConfig, NgramSettings
@@ -385,7 +385,7 @@ def test_invariance_plan_sees_any_change_of_summation_order(
     every time: one product where the order never changes, the widest slices that keep it,
     else the cheapest band of row counts that sums in one order; by the packed kernel where
     there is one, which it prefers (and never runs on one row alone)."""
-    import specdecode.backends.native as module
+    import specdecode.backends.invariant as module
 
     linear = reordering_linear(max_k, rows)
     monkeypatch.setattr(module, "F", SimpleNamespace(linear=linear, pad=F.pad))

@@ -10,11 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from specdecode import policy
+from specdecode import costs
 from specdecode.api import Pipeline
 from specdecode.backends import Backend, pass_cache
 from specdecode.backends.load import load_backend
-from specdecode.policy import CALIBRATION_ROWS, PolicyModels
+from specdecode.costs import CALIBRATION_ROWS
+from specdecode.policy import PolicyModels
 
 TIMING = "timing the target's passes for the adaptive policy"
 REUSING = "reusing the target's pass timings from an earlier run"
@@ -50,7 +51,7 @@ class Timer:
 @pytest.fixture
 def timings(monkeypatch) -> Timer:
     timer = Timer()
-    monkeypatch.setattr(policy, "time_passes", timer)
+    monkeypatch.setattr(costs, "time_passes", timer)
     return timer
 
 
@@ -177,7 +178,7 @@ def test_the_pipeline_says_which_happened(saved_model_dir, cache, timings):
 
 def test_the_check_times_one_row_passes_after_a_short_context(saved_model_dir):
     backend = load_backend(saved_model_dir)
-    timings = policy.time_passes(backend, (1,), policy.CHECK_CONTEXT)
+    timings = costs.time_passes(backend, (1,), costs.CHECK_CONTEXT)
     assert list(timings) == [1] and timings[1] > 0 and backend.tokens == []
 
 

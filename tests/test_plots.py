@@ -14,6 +14,7 @@ from matplotlib.colors import to_hex
 from matplotlib.container import BarContainer, ErrorbarContainer
 from matplotlib.figure import Figure
 
+from specdecode.bench.names import TASK_NAMES
 from specdecode.bench.plots import (
     MAX_SERIES,
     acceptance_figure,
@@ -24,7 +25,6 @@ from specdecode.bench.plots import (
     strategy_family,
 )
 from specdecode.bench.systems import system_names
-from specdecode.bench.tasks import TASK_NAMES
 
 SYSTEMS = system_names(has_draft=True, include_hf=True, has_eagle3=True)
 TITLE = "specdecode bench (full): target / draft\nSome CPU, 8 threads, 2026-01-02"

@@ -12,28 +12,13 @@ import pytest
 from conftest import TargetSpec
 
 from specdecode import GenerationConfig, Pipeline, SamplingParams
+from specdecode.acceptance import PRIOR_WEIGHT, AcceptanceModel, depth_cell, expected_tokens
 from specdecode.chain import Chain
 from specdecode.cli import build_parser
+from specdecode.costs import CALIBRATION_ROWS, PRIOR_DRAFT_STEP, CostModel, DraftCalls, PassLoad, PassShare
 from specdecode.drafts import Draft
 from specdecode.errors import SpecdecodeError
-from specdecode.policy import (
-    CALIBRATION_ROWS,
-    MAX_PROBE_EVERY,
-    PRIOR_DRAFT_STEP,
-    PRIOR_WEIGHT,
-    PROBE_NODES,
-    AcceptanceModel,
-    AdaptivePolicy,
-    CostModel,
-    DraftCalls,
-    PassLoad,
-    PassShare,
-    PolicyModels,
-    Record,
-    Stopper,
-    depth_cell,
-    expected_tokens,
-)
+from specdecode.policy import MAX_PROBE_EVERY, PROBE_NODES, AdaptivePolicy, PolicyModels, Record, Stopper
 from specdecode.strategies.draft_model import DraftModelConfig, DraftModelStrategy
 
 GREEDY = SamplingParams(temperature=0)

@@ -14,9 +14,9 @@ from transformers import LlamaForCausalLM
 from specdecode import DraftModelConfig, GenerationConfig, Pipeline, SamplingParams
 from specdecode.backends.hf import HFBackend
 from specdecode.backends.native import NativeBackend
+from specdecode.costs import CostModel
 from specdecode.generate import exact_chunk_rows
 from specdecode.loadtest import Gaps, gap_report
-from specdecode.policy import CostModel
 from specdecode.scheduler import PREFILL_FLOOR, BatchEngine, PassRecord
 from specdecode.testing import make_llama, perturbed_copy
 

@@ -13,7 +13,8 @@ import pytest
 from conftest import TargetSpec, chi_square_pvalue, cpu_policy
 
 from specdecode import GenerationConfig, HFBackend, Pipeline, SamplingParams
-from specdecode.cli import build_parser, ngram_from_args
+from specdecode.cli import build_parser
+from specdecode.cli.settings import ngram_from_args
 from specdecode.config import SuffixConfig, parse_spec_types
 from specdecode.drafts import Draft
 from specdecode.errors import SpecdecodeError

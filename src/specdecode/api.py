@@ -19,13 +19,11 @@ as keywords in Hugging Face's, vLLM's or llama.cpp's spellings, or as `SamplingP
 
 from __future__ import annotations
 
-import difflib
-import numbers
 import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypedDict, Unpack, overload
+from typing import TYPE_CHECKING, Any, Unpack, overload
 
 from specdecode.backends import Backend
 from specdecode.backends.gather import DraftPasses, GatheredBackend, GatheredHead
@@ -33,21 +31,17 @@ from specdecode.backends.hf_gguf import Use
 from specdecode.backends.load import backend_from_model, check_not_hub_id, load_backend
 from specdecode.backends.options import LoadOptions
 from specdecode.chain import Chain
-from specdecode.config import (
-    PRIORITY,
-    SPEC_TYPE_ALIASES,
-    DraftModelConfig,
-    NgramMapConfig,
-    NgramSettings,
-    SuffixConfig,
-)
+from specdecode.config import PRIORITY, SPEC_TYPE_ALIASES, DraftModelConfig, NgramSettings
 from specdecode.constraints import Constraint, ConstraintSpec
+from specdecode.costs import BATCH_CALIBRATION_ROWS, calibrate
 from specdecode.defaults import bundled_eagle3, bundled_pair
 from specdecode.errors import SpecdecodeError
 from specdecode.generate import Generation, GenerationConfig, chars_per_token, check_room, check_text_room
+from specdecode.keywords import GenerateKeywords, Prompt, is_batch, settings_from
 from specdecode.policy import AdaptivePolicy, PolicyModels, check_policy
 from specdecode.sampling import Sampler, SamplingParams
 from specdecode.scheduler import BatchEngine, Entry, LoadRule
+from specdecode.speculative_config import SpeculativeChoice
 from specdecode.stats import GenerationStats
 from specdecode.strategies import SharedState, SpecSetup, build_strategies
 from specdecode.strategies.eagle3_checkpoint import load_head
@@ -57,38 +51,13 @@ from specdecode.vocab import VocabTranslator, vocab_difference
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-Prompt = str | Sequence[int]  # text, or token ids
 Progress = Callable[[str], None]
-
-
-class GenerateKeywords(TypedDict, total=False):
-    """Settings `generate`, `stream` and `generate_batch` take as keywords instead of objects.
-
-    The most tokens to generate, in three spellings: max_new_tokens (Hugging Face's), max_tokens
-    (vLLM's) or n_predict (llama.cpp's). do_sample (Hugging Face's): False decodes greedily
-    whatever the temperature, True samples (at temperature 1 unless one is given). The others
-    are `SamplingParams`' and `GenerationConfig`'s fields of the same names."""
-
-    max_new_tokens: int
-    max_tokens: int
-    n_predict: int
-    temperature: float
-    top_k: int
-    top_p: float
-    min_p: float
-    seed: int
-    do_sample: bool
-    stop: str | Sequence[str]
-    ignore_eos: bool
 
 
 # Model-free strategies the adaptive policy asks beside a draft model when no strategies are
 # named: their drafts cost microseconds and are verified only where they pay, and where the
 # model cannot pay (a CPU whose every verify row costs nearly a plain step) a copy still can.
 BESIDE_A_DRAFT = ["ngram-mod", "ngram-map-k4v"]
-SAMPLING_KEYWORDS = ("temperature", "top_k", "top_p", "min_p", "seed", "do_sample")
-LENGTH_KEYWORDS = ("max_new_tokens", "max_tokens", "n_predict")
-CONFIG_KEYWORDS = (*LENGTH_KEYWORDS, "stop", "ignore_eos")
 
 
 @dataclass
@@ -130,7 +99,8 @@ class Pipeline:
         spec_policy: "classic" (llama.cpp's fixed chain and p_min) or "adaptive" (each step
         drafts what maximises expected tokens per second, see `specdecode.policy`).
         policy_models: what the adaptive policy has learned, to share (None: new models whose
-        pass costs are timed on the target now, or reused from an earlier run's timing).
+        pass costs are timed on the target now, or reused from an earlier run's timing, by
+        `specdecode.costs.calibrate`, once the arguments are checked).
         progress: told when the target's passes are being timed (a start-up phase that takes a
         while) or their timings from an earlier run reused; forks are silent."""
         self.target = target
@@ -449,7 +419,9 @@ class Pipeline:
         if self.policy_models is not None:
             return None
         if self._load_rule is None:
-            self._load_rule = LoadRule.timed(self.target.fork())
+            fork = self.target.fork()
+            costs = calibrate(fork, BATCH_CALIBRATION_ROWS, store=False, prior_on_failure=True)
+            self._load_rule = LoadRule(costs)
         return self._load_rule
 
     def _translator(self, replacements: Sequence[tuple[str, str]] | None) -> VocabTranslator | None:
@@ -527,215 +499,3 @@ def strategy_names(names: Sequence[str]) -> list[str]:
         if name not in known:
             raise SpecdecodeError(f"unknown strategy {name!r} (choose from {', '.join(known)})")
     return [SPEC_TYPE_ALIASES.get(name, name) for name in names]
-
-
-def is_batch(prompt: Prompt | Sequence[Prompt]) -> bool:
-    """Whether `prompt` is a list of prompts rather than one prompt (text, or token ids)."""
-    if isinstance(prompt, str) or len(prompt) == 0:
-        return False
-    ids = [isinstance(item, numbers.Integral) for item in prompt]
-    if all(ids):
-        return False
-    if any(ids):
-        raise SpecdecodeError(
-            "a prompt is a string or a list of token ids, and a batch a list of prompts: "
-            "this list mixes token ids with other things"
-        )
-    return True
-
-
-def settings_from(
-    sampling: SamplingParams | Sequence[SamplingParams] | None,
-    config: GenerationConfig | None,
-    keywords: Mapping[str, Any],
-    caller: str,
-) -> tuple[SamplingParams | Sequence[SamplingParams], GenerationConfig]:
-    """The sampling and generation settings from objects or keywords (`GenerateKeywords`).
-    A keyword given as None counts as not given."""
-    unknown = [key for key in keywords if key not in (*SAMPLING_KEYWORDS, *CONFIG_KEYWORDS)]
-    if unknown:
-        close = difflib.get_close_matches(unknown[0], (*SAMPLING_KEYWORDS, *CONFIG_KEYWORDS), n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise TypeError(f"{caller}() got an unexpected keyword argument {unknown[0]!r}{hint}")
-    given = {key: value for key, value in keywords.items() if value is not None}
-    return _sampling_from(sampling, given), _config_from(config, given)
-
-
-def _given_twice(kind: str, names: Sequence[str]) -> SpecdecodeError:
-    listed = ", ".join(f"{name}=" for name in names)
-    return SpecdecodeError(f"{kind} given twice, as an object and as {listed}: give one or the other")
-
-
-def _sampling_from(
-    sampling: SamplingParams | Sequence[SamplingParams] | None, given: Mapping[str, Any]
-) -> SamplingParams | Sequence[SamplingParams]:
-    named = {key: value for key, value in given.items() if key in SAMPLING_KEYWORDS}
-    if sampling is not None:
-        if named:
-            raise _given_twice("sampling settings", list(named))
-        return sampling
-    do_sample = named.pop("do_sample", None)
-    if do_sample is False:  # Hugging Face's switch: greedy whatever the temperature
-        named["temperature"] = 0.0
-    elif do_sample is True:
-        temperature = named.setdefault("temperature", 1.0)  # Hugging Face's default temperature
-        if temperature <= 0:
-            raise SpecdecodeError(f"do_sample=True samples: it needs a temperature > 0, not {temperature}")
-    return SamplingParams(**named)
-
-
-def _config_from(config: GenerationConfig | None, given: Mapping[str, Any]) -> GenerationConfig:
-    named = {key: value for key, value in given.items() if key in CONFIG_KEYWORDS}
-    if config is not None:
-        if named:
-            raise _given_twice("generation settings", list(named))
-        return config
-    lengths = {key: named.pop(key) for key in LENGTH_KEYWORDS if key in named}
-    if len(set(lengths.values())) > 1:
-        spelled = " and ".join(f"{key}={value}" for key, value in lengths.items())
-        raise SpecdecodeError(f"{spelled} disagree: give the most tokens to generate once")
-    if lengths:
-        named["n_predict"] = next(iter(lengths.values()))
-    return GenerationConfig(**named)
-
-
-# vLLM's speculative_config keys that are read here
-MODEL_KEYS = ("model", "num_speculative_tokens")
-LOOKUP_KEYS = ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
-SUFFIX_KEYS = (
-    "num_speculative_tokens",
-    "suffix_decoding_max_tree_depth",
-    "suffix_decoding_max_spec_factor",
-    "suffix_decoding_min_token_prob",
-)
-SPECULATIVE_KEYS = ("method", "model", *LOOKUP_KEYS, *SUFFIX_KEYS[1:])
-# method -> (strategy, the keys it reads besides "method"): vLLM's methods, then this package's
-# strategy names, whose settings are the pipeline's `ngram` (NgramSettings)
-SPECULATIVE_METHODS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "ngram": ("ngram-simple", LOOKUP_KEYS),
-    "draft_model": ("draft", MODEL_KEYS),
-    "eagle3": ("eagle3", MODEL_KEYS),
-    "eagle": ("eagle3", MODEL_KEYS),
-    "draft": ("draft", MODEL_KEYS),
-    **{alias: (name, MODEL_KEYS) for alias, name in SPEC_TYPE_ALIASES.items()},  # draft-simple, draft-eagle3
-    **{name: (name, ()) for name in PRIORITY if name.startswith("ngram-")},
-    "suffix": ("suffix", SUFFIX_KEYS),
-}
-VLLM_PROMPT_LOOKUP = 5  # vLLM's n-gram size when neither prompt_lookup_min nor _max is given
-
-
-@dataclass(frozen=True)
-class SpeculativeChoice:
-    """What a vLLM-style speculative_config asks for, in this package's terms.
-
-    - "ngram": prompt lookup, our ngram-simple (llama.cpp's): it matches the last
-      prompt_lookup_max tokens (vLLM's default: prompt_lookup_min, else 5) and copies up to
-      num_speculative_tokens of what followed. vLLM also tries shorter keys down to
-      prompt_lookup_min; ngram-simple matches one size, so prompt_lookup_min only fills in a
-      missing prompt_lookup_max and is checked to be no larger.
-    - "draft_model" (also "draft", "draft-simple"): a draft model read from `model`, drafting
-      up to num_speculative_tokens (`DraftModelConfig.n_max`, which stops earlier below p_min).
-    - "eagle3" (also "eagle", "draft-eagle3"): an EAGLE-3 head read from `model`, likewise.
-    - "ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache": those
-      strategies with the pipeline's `ngram` settings; no other key.
-    - "suffix": SuffixDecoding, with the pipeline's `ngram.suffix` settings less those that
-      vLLM's suffix_decoding_max_tree_depth, _max_spec_factor and _min_token_prob set, and
-      num_speculative_tokens as the most draft nodes.
-    `model` may be left out with the bundled target: the bundled draft or head is used."""
-
-    spec_type: str
-    method: str
-    model: str | os.PathLike | None
-    draft: DraftModelConfig
-    ngram: NgramSettings
-
-    @classmethod
-    def read(
-        cls, config: Mapping[str, Any], draft: DraftModelConfig, ngram: NgramSettings
-    ) -> SpeculativeChoice:
-        """draft, ngram: the pipeline's settings, which num_speculative_tokens and the lookup
-        sizes change."""
-        if not isinstance(config, Mapping):
-            raise SpecdecodeError(f"speculative_config is a dict, not a {type(config).__name__}")
-        unknown = [key for key in config if key not in SPECULATIVE_KEYS]
-        if unknown:
-            raise SpecdecodeError(
-                f"unknown speculative_config key {unknown[0]!r} (known: {', '.join(SPECULATIVE_KEYS)})"
-            )
-        method = config.get("method")
-        if method not in SPECULATIVE_METHODS:
-            supported = ", ".join(SPECULATIVE_METHODS)
-            raise SpecdecodeError(f"unknown speculative_config method {method!r} (supported: {supported})")
-        spec_type, keys = SPECULATIVE_METHODS[method]
-        extra = [key for key in config if key != "method" and key not in keys]
-        if extra:
-            reads = f"it reads {', '.join(keys)}" if keys else "its settings are the pipeline's ngram="
-            raise SpecdecodeError(f"speculative_config method {method!r} takes no {extra[0]!r}: {reads}")
-        tokens = _count(config, "num_speculative_tokens", 1)
-        if spec_type in ("draft", "eagle3") and tokens is not None:
-            draft = replace(draft, n_max=tokens)
-        if method == "ngram":
-            ngram = replace(ngram, simple=_prompt_lookup(config, tokens, ngram.simple))
-        if method == "suffix":
-            ngram = replace(ngram, suffix=_suffix(config, tokens, ngram.suffix))
-        return cls(spec_type, method, config.get("model"), draft, ngram)
-
-    def check_model(self, model: object) -> None:
-        """A model-based method needs its model: given in the config, or the bundled one."""
-        if self.spec_type in ("draft", "eagle3") and model is None:
-            kind = "draft model" if self.spec_type == "draft" else "EAGLE-3 head"
-            raise SpecdecodeError(
-                f"speculative_config method {self.method!r} needs 'model': the {kind}'s directory"
-                + (" or GGUF file" if self.spec_type == "draft" else "")
-            )
-
-
-def _count(config: Mapping[str, Any], key: str, least: int) -> int | None:
-    value = config.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < least:
-        raise SpecdecodeError(f"speculative_config {key!r} must be an integer >= {least}, not {value!r}")
-    return value
-
-
-def _suffix(config: Mapping[str, Any], tokens: int | None, suffix: SuffixConfig) -> SuffixConfig:
-    """The suffix strategy's settings for vLLM's suffix_decoding keys (see `SpeculativeChoice`)."""
-    changes: dict[str, Any] = {}
-    depth = _count(config, "suffix_decoding_max_tree_depth", 1)
-    if depth is not None:
-        changes["max_depth"] = depth
-    if tokens is not None:
-        changes["max_nodes"] = tokens
-    for key, field in (
-        ("suffix_decoding_max_spec_factor", "factor"),
-        ("suffix_decoding_min_token_prob", "min_prob"),
-    ):
-        value = config.get(key)
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            raise SpecdecodeError(f"speculative_config {key!r} must be a number, not {value!r}")
-        changes[field] = float(value)
-    try:
-        return replace(suffix, **changes)
-    except SpecdecodeError as exc:  # the message names the flag: name the key too
-        raise SpecdecodeError(f"speculative_config: {exc}") from None
-
-
-def _prompt_lookup(config: Mapping[str, Any], tokens: int | None, simple: NgramMapConfig) -> NgramMapConfig:
-    """ngram-simple's settings for vLLM's prompt lookup keys (see `SpeculativeChoice`)."""
-    low, high = _count(config, "prompt_lookup_min", 1), _count(config, "prompt_lookup_max", 1)
-    size_n = high if high is not None else low if low is not None else VLLM_PROMPT_LOOKUP
-    if low is not None and low > size_n:
-        raise SpecdecodeError(
-            f"speculative_config prompt_lookup_min ({low}) exceeds prompt_lookup_max ({size_n})"
-        )
-    size_m = tokens if tokens is not None else simple.size_m
-    if size_m < size_n:
-        raise SpecdecodeError(
-            f"speculative_config num_speculative_tokens ({size_m}) is below the n-gram size ({size_n}): "
-            "ngram-simple (llama.cpp's) copies at least as many tokens as it matches, so it would never "
-            "draft; raise num_speculative_tokens or lower prompt_lookup_max"
-        )
-    return replace(simple, size_n=size_n, size_m=size_m)

@@ -34,9 +34,10 @@ from typing import Any
 import torch
 
 from specdecode.constraints import Constraint
+from specdecode.costs import ALONE, PassLoad, PassShare
 from specdecode.drafts import Draft
 from specdecode.errors import SpecdecodeError
-from specdecode.policy import ALONE, AdaptivePolicy, PassLoad, PassShare, Stopper
+from specdecode.policy import AdaptivePolicy, Stopper
 from specdecode.stats import StrategyStats
 from specdecode.strategies import Strategy
 from specdecode.strategies.base import Steerable

@@ -4,7 +4,7 @@ line offers (weights' dtypes, backends, passes, policies, verification modes, st
 The command's parsers read their defaults and choices here, so that `specdecode --help` and a
 mistyped flag answer without loading torch. The modules that use each setting import it from
 here, and it stays importable from them (`specdecode.sampling.SamplingParams`,
-`specdecode.strategies.DraftModelConfig`, `specdecode.backends.hf.PASSES`, ...).
+`specdecode.strategies.DraftModelConfig`, ...).
 """
 
 from __future__ import annotations

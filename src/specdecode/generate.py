@@ -34,9 +34,9 @@ from specdecode.backends import Backend, common_prefix
 from specdecode.backends.batch import RowGroup, score_alone
 from specdecode.chain import Chain
 from specdecode.constraints import Constraint
+from specdecode.costs import ALONE, PassLoad, PassShare
 from specdecode.drafts import Draft
 from specdecode.errors import SpecdecodeError
-from specdecode.policy import ALONE, PassLoad, PassShare
 from specdecode.sampling import NO_TOKEN, Sampler
 from specdecode.stats import GenerationStats
 from specdecode.text import TextAssembler

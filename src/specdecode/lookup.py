@@ -12,7 +12,7 @@
   token, and is added into the dynamic cache after the chunk.
 
 `run_create`, `run_merge` and `run_stats` run `specdecode lookup create|merge|stats` (whose flags
-are in `specdecode.cli`).
+are in `specdecode.cli.lookup_flags`).
 """
 
 from __future__ import annotations

@@ -28,7 +28,6 @@ greedy or seeded `match` answer equals the answer the same request gets alone.
 
 from __future__ import annotations
 
-import logging
 import math
 import time
 from collections import deque
@@ -37,13 +36,11 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import TypeVar
 
-from specdecode.backends import Backend
 from specdecode.backends.batch import RowGroup, evaluate_each, score_alone, shares_passes
 from specdecode.backends.gather import DraftPasses, outcome
+from specdecode.costs import CostModel, PassLoad, PassShare
 from specdecode.generate import Chunk, Generation, StepPlan
-from specdecode.policy import CostModel, PassLoad, PassShare
 
-BATCH_CALIBRATION_ROWS = (1, 2, 4, 8, 16, 32, 64)
 ACCEPTANCE_PRIOR = 0.6  # P(draft token kept | its parent was) before any sequence drafted
 ACCEPTANCE_WEIGHT = 4.0  # pseudo-observations behind a prior
 ACCEPTANCE_DECAY = 0.95  # older steps weigh less: the text changes
@@ -58,7 +55,6 @@ PREFILL_FLOOR = 16  # prompt rows a step takes whatever its budget, so that prom
 PREFILL_MAX_ROWS = 1 << 16  # the budget's bound where prompts run in passes of their own
 PREFILL_EMA = 0.3  # weight of the newest chunk in a prompt row's measured seconds
 
-logger = logging.getLogger(__name__)
 Seat = TypeVar("Seat")  # what a generation runs on (a fork of a pipeline)
 
 
@@ -119,9 +115,10 @@ def decayed(counts: list[float], n_drafted: int, n_accepted: int) -> list[float]
 class LoadRule:
     """How many tokens a sequence may draft when `batch` sequences share a pass.
 
-    A pass of T rows costs a + b*T (the cost model's line, timed at start and refined from
-    every pass run). Without drafts the batch emits `batch` tokens per a + b*batch seconds;
-    one more draft token costs b (its verify row) plus the seconds of drafting it, that is
+    A pass of T rows costs a + b*T (the cost model's line, timed at start by
+    `specdecode.costs.calibrate` and refined from every pass run). Without drafts the batch
+    emits `batch` tokens per a + b*batch seconds; one more draft token costs b (its verify
+    row) plus the seconds of drafting it, that is
     (b + draft) * batch / (a + b*batch) tokens of the batch's output. The j-th token of a
     chain is kept with probability acceptance^j, so a sequence drafts the j-th token only
     while acceptance^j exceeds that price. One sequence alone pays little for a row (a
@@ -141,19 +138,6 @@ class LoadRule:
         if acceptance <= 0.0 or price >= 1.0:
             return 0
         return max(0, math.floor(math.log(price) / math.log(acceptance)))
-
-    @classmethod
-    def timed(cls, backend: Backend) -> LoadRule:
-        """A rule whose cost model times passes of up to 64 rows on `backend` (its cache is
-        left empty). Where timing fails, the rule starts from the cost model's prior and learns
-        from the passes run: a backend that cannot time a pass fails its requests, not this."""
-        costs = CostModel()
-        try:
-            costs.calibrate(backend, BATCH_CALIBRATION_ROWS)
-        except Exception as exc:
-            logger.warning("pass costs could not be timed (%s): starting from the prior", exc)
-            costs = CostModel()
-        return cls(costs)
 
 
 class SpeculationGate:

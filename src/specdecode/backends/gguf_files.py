@@ -3,7 +3,8 @@
 GGUF is the single-file format llama.cpp users hold: the weights (f32, f16, bf16 or block-
 quantized such as Q8_0), the hyperparameters and the tokenizer, under llama.cpp's own names.
 `export_gguf` writes the layout llama.cpp's converter writes for the "llama" architecture, with
-the `gguf` package (llama.cpp's own Python writer and quantizer). Two details carry meaning:
+the `gguf` package (llama.cpp's own Python writer and quantizer); the k-quant types are the
+f32 file requantized by llama.cpp's library (`quantize`). Two details carry meaning:
 
 - llama.cpp rotates query/key pairs that are adjacent (dimensions 2i, 2i+1), Hugging Face pairs
   that are half a head apart (i, i + d/2); the converter therefore permutes the rows of the
@@ -39,7 +40,7 @@ from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig, PreTrainedTokenizerFast
 
 from specdecode.backends.hf import check_model_directory, load_model_config, load_tokenizer
-from specdecode.backends.native import native_unsupported
+from specdecode.backends.native_weights import native_unsupported
 from specdecode.config import GGUF_FORMATS as FORMATS
 from specdecode.config import LLAMA_CPP_FORMATS
 from specdecode.errors import SpecdecodeError, require
@@ -73,8 +74,6 @@ def export_gguf(directory: str | Path, out: str | Path, fmt: str = "f32") -> Pat
     if fmt in LLAMA_CPP_FORMATS:
         full = out.with_name(out.stem + ".f32.tmp.gguf")
         export_gguf(directory, full, "f32")
-        from specdecode.backends.llama_cpp import quantize  # llama_cpp imports this module
-
         try:
             quantize(full, out, fmt)
         finally:
@@ -93,6 +92,20 @@ def export_gguf(directory: str | Path, out: str | Path, fmt: str = "f32") -> Pat
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+def quantize(source: Path, out: Path, fmt: str) -> None:
+    """Requantize a GGUF file with llama.cpp's own quantizer (k-quants need it)."""
+    from specdecode.backends.llama_lib import INSTALL_HINT, llama_cpp, silence_logs  # loads the library
+
+    if llama_cpp is None:
+        raise SpecdecodeError(f"GGUF type {fmt} needs llama.cpp's quantizer: {INSTALL_HINT}")
+    silence_logs()
+    params = llama_cpp.llama_model_quantize_default_params()
+    ftypes = {"q4_k": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M, "q6_k": llama_cpp.LLAMA_FTYPE_MOSTLY_Q6_K}
+    params.ftype = ftypes[fmt]
+    if llama_cpp.llama_model_quantize(str(source).encode(), str(out).encode(), params) != 0:
+        raise SpecdecodeError(f"llama.cpp could not quantize {source} to {fmt}")
 
 
 def _write_hyperparameters(writer: gguf.GGUFWriter, config, name: str, file_type) -> None:

@@ -48,14 +48,8 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from specdecode.backends.hidden import HiddenRows
-from specdecode.backends.native import (
-    NativeBackend,
-    NativeWeights,
-    _rms_norm,
-    _rotate,
-    finish_parts,
-    recorded_layers,
-)
+from specdecode.backends.native import NativeBackend, _rms_norm, _rotate, finish_parts, recorded_layers
+from specdecode.backends.native_weights import NativeWeights
 
 FIRST_SLOTS = 2048  # a seat's first size: most requests never grow it (each growth recaptures)
 FIXED_ROWS = 32  # rows of every pass in fixed mode: a default verify pass (17) and a batch of 32

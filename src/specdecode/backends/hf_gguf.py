@@ -78,13 +78,11 @@ def load_directory(
     explicit = options.backend == "llama.cpp"
     if not explicit and not _candidate(options):
         return pytorch(path, options)
-    from specdecode.backends import llama_cpp as llama_cpp_backend  # loads llama.cpp's library
+    from specdecode.backends import llama_lib  # loads llama.cpp's library
 
-    if not llama_cpp_backend.available():
+    if not llama_lib.available():
         if explicit:
-            raise SpecdecodeError(
-                f"the llama.cpp backend needs llama-cpp-python: {llama_cpp_backend.INSTALL_HINT}"
-            )
+            raise SpecdecodeError(f"the llama.cpp backend needs llama-cpp-python: {llama_lib.INSTALL_HINT}")
         return pytorch(path, options)
     from specdecode.backends.hf import check_model_directory, load_model_config
 
@@ -114,7 +112,9 @@ def load_directory(
         if explicit:
             raise SpecdecodeError(f"{directory}: {differs}")
         return _on_pytorch(pytorch, path, options, differs)
-    backend = llama_cpp_backend.LlamaCppBackend.load(gguf_path, options)
+    from specdecode.backends.llama_cpp import LlamaCppBackend
+
+    backend = LlamaCppBackend.load(gguf_path, options)
     backend.name = directory.name
     if use == "target" and not explicit and not backend.invariant:
         del backend  # llama.cpp's weights freed before PyTorch reads its own
@@ -152,7 +152,7 @@ def _on_pytorch(
 
 def gguf_type(directory: Path, config) -> tuple[str, None] | tuple[None, str]:
     """(the GGUF type that keeps the checkpoint's weights exact, None), or (None, why none does)."""
-    from specdecode.backends.native import native_unsupported
+    from specdecode.backends.native_weights import native_unsupported
 
     if config.model_type not in GGUF_MODEL_TYPES:
         return None, f"model_type {config.model_type!r} (written: {', '.join(GGUF_MODEL_TYPES)})"

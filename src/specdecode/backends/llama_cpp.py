@@ -27,23 +27,28 @@ llama.cpp captures for every row of a pass (`capture_hidden`), one row per cache
 Forks for a batch may share one context instead (`LlamaCppBackend.forks`), the committed tokens
 of each being a sequence of its own in a KV stream of its own, so that one `llama_decode`
 scores every sequence's rows, as llama-server decodes its slots (`SharedLlamaCppBackend`).
+
+Beside this module: llama-cpp-python's library (`specdecode.backends.llama_lib`), the loaded
+model and its contexts (`specdecode.backends.llama_model`), the row-invariance probe and its
+verdicts (`specdecode.backends.llama_probe`), GGUF files (`specdecode.backends.gguf_files`).
 """
 
 from __future__ import annotations
 
 import ctypes
-import os
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from specdecode.backends import VocabInfo, WholeChunks, check_cache_room, pass_cache
+from specdecode.backends import VocabInfo, WholeChunks, check_cache_room
 from specdecode.backends.batch import RowGroup
 from specdecode.backends.hidden import HiddenRows
+from specdecode.backends.llama_lib import layer_input_api, llama_cpp, require_library
+from specdecode.backends.llama_model import MAX_SEQUENCES, LlamaContext, LlamaModel
+from specdecode.backends.llama_probe import RowProbe
 from specdecode.backends.options import LoadOptions
 from specdecode.backends.tree import PendingTree, check_tree_room
 from specdecode.errors import SpecdecodeError
@@ -51,258 +56,16 @@ from specdecode.errors import SpecdecodeError
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-try:
-    import llama_cpp
-except ImportError:  # the optional extra
-    llama_cpp = None
-
-INSTALL_HINT = "pip install 'specdecode[llama-cpp]'"
 VOCAB_KINDS = {1: "spm", 2: "bpe", 3: "wpm", 4: "ugm"}
-MAX_SEQUENCES = 64  # the committed sequence, up to 62 pending tree nodes and the spare one
 SPARE_SEQUENCE = MAX_SEQUENCES - 1  # a one-row pass's second row (see LlamaCppBackend._decode)
 # From this position on a one-row pass gets that second row: below it, the cache holds fewer
 # than 256 cells (positions, tree nodes and the spare), and llama.cpp's attention reads 256.
 PAD_FROM = 128
-# The row-invariance probe: after PROBE_CONTEXT tokens of this text, one pass of each row count
-# in PROBE_PASSES (verify passes of drafts up to 16 long; kernels switch paths at multiples of
-# 2, 4 and 8 rows), each over the next tokens, against the same rows one at a time. Then, at
-# cache lengths from PROBE_CONTEXT up to the context (`probe_lengths`), passes of every size in
-# WIDE_PASSES against PROBE_ROWS rows scored one at a time: llama.cpp's kernels also switch
-# with the cached cells (its CPU flash attention splits a one-row pass over 512 cells or more
-# among its threads) and past 63 rows (flash attention's tiles of 64 query rows), so passes are
-# vouched for only at the lengths and sizes seen to agree (ngram-mod verifies up to 65 rows).
-PROBE_TEXT = (
-    "import os\n\n\ndef read_lines(path, encoding='utf-8'):\n"
-    '    """Return the lines of a text file, without their line ends."""\n'
-    "    with open(path, encoding=encoding) as handle:\n"
-    "        return [line.rstrip('\\n') for line in handle]\n\n\n"
-    "def count_words(lines):\n    total = 0\n    for line in lines:\n"
-    "        total += len(line.split())\n    return total\n"
-)
-PROBE_CONTEXT = 8
-PROBE_PASSES = (2, 3, 4, 5, 7, 8, 9, 16, 17)
-WIDE_PASSES = (*PROBE_PASSES, 33, 63, 64, 65)
-PROBE_ROWS = 17  # rows scored one at a time at each probed length
-CLASS_PASS = 130  # beside the wide passes: do all passes past the vouched size round alike?
-PROBE_FIRST_LENGTH = 320  # past 256 cells: llama.cpp pads the cells a pass reads to 256
-PROBE_LONGEST = 4096  # the probe's fill costs a prompt this long at most
-PROBE_FORMAT = 2  # of the probe's stored verdicts (see LlamaCppBackend.invariant)
-# ggml's switch for its tiled K-quant (Q2_K..Q6_K, IQ*) matrix product, which it takes for
-# passes of 8 rows and more of weights kept in the file's layout: its sums round a row
-# otherwise than the one-row dot product. ggml reads it once per process, at the first product.
-TILED_SWITCH = "GGML_CPU_TILED_MM"
-_quiet_log = None  # the logging callback, kept alive while llama.cpp may call it
 
 
-def available() -> bool:
-    return llama_cpp is not None
-
-
-def _require() -> None:
-    if llama_cpp is None:
-        raise SpecdecodeError(f"the llama.cpp backend needs llama-cpp-python: {INSTALL_HINT}")
-
-
-def _kernels() -> dict[str, object]:
-    """What decides which kernels llama.cpp runs besides the model and its options: the
-    libraries loaded (their names, sizes and modification times: LLAMA_CPP_LIB_PATH picks
-    another build) and ggml's tiled-product switch. Part of the keys of what is measured once
-    and kept (the probe's verdict, pass timings)."""
-    library = Path(llama_cpp.llama_cpp._lib._name).resolve().parent
-    files = sorted(library.glob("lib*.so*")) + sorted(library.glob("*.dylib")) + sorted(library.glob("*.dll"))
-    return {
-        "library": str(library),
-        "files": [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files],
-        "tiled": os.environ.get(TILED_SWITCH),
-    }
-
-
-# llama.cpp's staging API (src/llama-ext.h) for the inputs of a model's layers, which its own
-# EAGLE-3 drafting reads: declared without C linkage, so exported under C++ (Itanium) names,
-# and not bound by llama-cpp-python. Resolved on first use; a build without them refuses heads.
-LAYER_INPUT_SYMBOLS = {
-    "set": "_Z30llama_set_embeddings_layer_inpP13llama_contextjb",
-    "get": "_Z30llama_get_embeddings_layer_inpP13llama_contextj",
-}
-_layer_inputs: dict[str, ctypes._CFuncPtr] = {}
-
-
-def _layer_input_api() -> dict[str, ctypes._CFuncPtr]:
-    """(set, get) of llama.cpp's layer-input capture, or a clear error where the build lacks them."""
-    if not _layer_inputs:
-        library = llama_cpp.llama_cpp._lib
-        try:
-            setter, getter = (library[LAYER_INPUT_SYMBOLS[name]] for name in ("set", "get"))
-        except AttributeError:
-            raise SpecdecodeError(
-                "this llama.cpp build does not export llama_set/get_embeddings_layer_inp, which an "
-                "EAGLE-3 head needs to read the target's hidden states (--backend native runs it)"
-            ) from None
-        setter.argtypes, setter.restype = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_bool], None
-        getter.argtypes, getter.restype = [ctypes.c_void_p, ctypes.c_uint32], ctypes.POINTER(ctypes.c_float)
-        _layer_inputs.update(set=setter, get=getter)
-    return _layer_inputs
-
-
-def silence_logs() -> None:
-    """Route llama.cpp's log lines nowhere (load messages on every model otherwise)."""
-    global _quiet_log
-    if _quiet_log is None:
-        _quiet_log = llama_cpp.llama_log_callback(lambda level, text, data: None)
-        llama_cpp.llama_log_set(_quiet_log, ctypes.c_void_p(0))
-
-
-def quantize(source: Path, out: Path, fmt: str) -> None:
-    """Requantize a GGUF file with llama.cpp's own quantizer (k-quants need it)."""
-    if llama_cpp is None:
-        raise SpecdecodeError(f"GGUF type {fmt} needs llama.cpp's quantizer: {INSTALL_HINT}")
-    silence_logs()
-    params = llama_cpp.llama_model_quantize_default_params()
-    ftypes = {"q4_k": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M, "q6_k": llama_cpp.LLAMA_FTYPE_MOSTLY_Q6_K}
-    params.ftype = ftypes[fmt]
-    if llama_cpp.llama_model_quantize(str(source).encode(), str(out).encode(), params) != 0:
-        raise SpecdecodeError(f"llama.cpp could not quantize {source} to {fmt}")
-
-
-@dataclass(frozen=True)
-class RowAgreement:
-    """How the rows of multi-row passes compare with the same rows scored one at a time."""
-
-    rows: int
-    identical: int  # rows whose logits are bit-identical
-    same_argmax: int  # rows with the same greedy choice
-
-    @property
-    def invariant(self) -> bool:
-        return self.identical == self.rows
-
-    def __add__(self, other: RowAgreement) -> RowAgreement:
-        return RowAgreement(
-            self.rows + other.rows, self.identical + other.identical, self.same_argmax + other.same_argmax
-        )
-
-    @classmethod
-    def of(cls, together: torch.Tensor, alone: torch.Tensor) -> RowAgreement:
-        return cls(
-            len(together),
-            int((together == alone).all(-1).sum()),
-            int((together.argmax(-1) == alone.argmax(-1)).sum()),
-        )
-
-
-def probe_lengths(n_ctx: int) -> list[int]:
-    """The cache lengths the row-invariance probe passes at in a context of n_ctx cells: the
-    short PROBE_CONTEXT, then from PROBE_FIRST_LENGTH doubling, and the last length whose
-    widest pass still fits the context (or PROBE_LONGEST, past which it costs too much)."""
-    room = min(n_ctx, PROBE_LONGEST) - max(WIDE_PASSES)
-    lengths, length = [PROBE_CONTEXT], PROBE_FIRST_LENGTH
-    while length < room:
-        lengths.append(length)
-        length *= 2
-    if room > lengths[-1]:
-        lengths.append(room)
-    return lengths
-
-
-class LlamaModel:
-    """A loaded GGUF model (weights and vocabulary), shared by the contexts forked from it.
-
-    repack: whether llama.cpp may repack weights into its interleaved CPU layouts (its
-    `use_extra_bufts`, llama.cpp's `--repack`/`--no-repack`). Those layouts have their own
-    batched kernels, which round a row differently from the one-row path.
-
-    ggml's tiled K-quant product is switched off (TILED_SWITCH) unless the environment already
-    says otherwise: with it, a K-quant file's rows agree with one-row passes only in passes of
-    up to 7 rows; without it, in passes of every probed size (it serves passes of 8 rows and
-    more, a long prompt's chunks among them)."""
-
-    def __init__(self, path: Path, gpu_layers: int, repack: bool = True) -> None:
-        _require()
-        os.environ.setdefault(TILED_SWITCH, "0")
-        silence_logs()
-        llama_cpp.llama_backend_init()
-        params = llama_cpp.llama_model_default_params()
-        params.n_gpu_layers = gpu_layers
-        params.use_extra_bufts = repack
-        self.repack = repack
-        self.embeddings: torch.Tensor | None = None  # token embeddings, read on first use (EAGLE-3)
-        self.kernels = _kernels()
-        self.pointer = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
-        if not self.pointer:
-            raise SpecdecodeError(f"llama.cpp cannot load {path} (not a model file it knows)")
-        self.vocab = llama_cpp.llama_model_get_vocab(self.pointer)
-        self.path = path
-        self._tokenizer = None
-        self.probe: RowAgreement | None = None  # see LlamaCppBackend.invariant
-        self.invariant_rows = 0  # the probed passes of up to this many rows were all bit-identical
-        # whether the probed passes of more rows than that agreed among themselves (see
-        # LlamaCppBackend.reusable_prefix)
-        self.wide_rows_agree = False
-
-    @property
-    def tokenizer(self) -> PreTrainedTokenizerBase:
-        """The file's vocabulary as a transformers tokenizer, built on first use: what the
-        server's chat templates and text routes work with (the same ids as llama.cpp's on
-        files `specdecode export` writes)."""
-        if self._tokenizer is None:
-            from specdecode.backends.gguf_files import load_gguf_tokenizer  # transformers: seconds of imports
-
-            self._tokenizer = load_gguf_tokenizer(self.path)
-        return self._tokenizer
-
-    def __del__(self) -> None:
-        if getattr(self, "pointer", None) and llama_cpp is not None:
-            llama_cpp.llama_model_free(self.pointer)
-            self.pointer = None
-
-
-class LlamaContext:
-    """A llama_context (KV cache and compute buffers) with a batch to fill, freed when the last
-    backend holding it goes.
-
-    sequences, unified: how many sequence ids it takes, and whether they share one KV stream
-    (a backend of its own: the tree nodes' sequences share the prefix's cells) or each has
-    one of n_ctx cells (forks sharing a context: see `LlamaCppBackend.forks`)."""
-
-    def __init__(
-        self,
-        model: LlamaModel,
-        name: str,
-        n_ctx: int,
-        n_batch: int,
-        threads: int | None,
-        sequences: int = MAX_SEQUENCES,
-        unified: bool = True,
-    ) -> None:
-        params = llama_cpp.llama_context_default_params()
-        # With a stream per sequence, llama.cpp splits n_ctx among them. One KV stream gets a
-        # cell more than n_ctx, for the second row a one-row pass is given even when the
-        # context is full (see `LlamaCppBackend._decode`).
-        spare = 1 if unified else 0
-        params.n_ctx = n_ctx + spare if unified else n_ctx * sequences
-        params.n_batch = params.n_ubatch = max(n_batch, MAX_SEQUENCES)
-        params.n_seq_max = sequences
-        params.kv_unified = unified
-        if threads:
-            params.n_threads = params.n_threads_batch = threads
-        self.pointer = llama_cpp.llama_init_from_model(model.pointer, params)
-        if not self.pointer:
-            raise SpecdecodeError(f"{name}: llama.cpp could not create a context of {params.n_ctx} tokens")
-        self.memory = llama_cpp.llama_get_memory(self.pointer)
-        # what the user may fill: llama.cpp rounds the cells up (to a multiple of 256)
-        self.n_ctx_seq = min(int(llama_cpp.llama_n_ctx_seq(self.pointer)) - spare, n_ctx)
-        self.batch_rows = int(params.n_batch)
-        self.batch = llama_cpp.llama_batch_init(self.batch_rows, 0, MAX_SEQUENCES)
-
-    def __del__(self) -> None:
-        if getattr(self, "pointer", None) and llama_cpp is not None:
-            llama_cpp.llama_batch_free(self.batch)
-            llama_cpp.llama_free(self.pointer)
-            self.pointer = None
-
-
-class LlamaCppBackend:
-    """A GGUF model on llama.cpp's kernels (see `specdecode.backends.Backend`)."""
+class LlamaCppBackend(RowProbe):
+    """A GGUF model on llama.cpp's kernels (see `specdecode.backends.Backend`); the row-invariance
+    probe's verdicts are `RowProbe`'s (`specdecode.backends.llama_probe`)."""
 
     # Set where `--backend auto` ran a Hugging Face directory here (see `specdecode.backends.hf_gguf`).
     backend_note: str | None = None
@@ -350,61 +113,16 @@ class LlamaCppBackend:
         self.hidden_size = int(llama_cpp.llama_model_n_embd(model.pointer))
         self._hidden: HiddenRows | None = None  # rows of the captured layers (see capture_hidden)
 
-    @property
-    def invariant(self) -> bool:
-        """Whether llama.cpp gives a row the same bits in passes of up to max(PROBE_PASSES) rows
-        (a default draft's verify pass) as alone, at every cache length the probe passed at
-        (see `probe_invariance`, run once per loaded model on first use): what makes
-        speculative output equal plain output bit for bit rather than up to a near-tie. Only
-        the target's rows decide the output. Longer passes may still be capped (`row_cap`)."""
-        return self._probed_rows() >= max(PROBE_PASSES)
-
-    def _probed_rows(self) -> int:
-        """The probe's `invariant_rows`, probing on first use. The verdict is kept with the pass
-        timings (see `specdecode.backends.pass_cache`), keyed by the file, the repacking, the threads, the
-        context, the machine and llama.cpp's libraries and switches, so that the probe runs
-        once per such key rather than at every start."""
-        if self.model.probe is None:
-            key = self._probe_key()
-            stored = pass_cache.read_value(key, "probe") if key is not None else None
-            try:
-                probe, rows, wide = RowAgreement(*stored[:3]), int(stored[3]), bool(stored[4])
-            except (TypeError, ValueError, IndexError):  # nothing stored, or not a verdict
-                probe = self.probe_invariance()
-                rows, wide = self.model.invariant_rows, self.model.wide_rows_agree
-                verdict = [probe.rows, probe.identical, probe.same_argmax, rows, wide]
-                if key is not None:
-                    pass_cache.write_value(key, "probe", verdict)
-            self.model.probe, self.model.invariant_rows, self.model.wide_rows_agree = probe, rows, wide
-        return self.model.invariant_rows
-
-    def _probe_key(self) -> dict[str, object] | None:
-        key = pass_cache.cache_key(self, WIDE_PASSES) if pass_cache.enabled() else None
-        if key is None:
-            return None
-        return {**key, "n_ctx": probe_lengths(self.n_ctx), "probe": PROBE_FORMAT, "text": PROBE_TEXT}
-
-    @property
-    def row_cap(self) -> int | None:
-        """The most rows a pass after the prompt may hold for its rows to get the bits plain
-        generation gives them, where exactness is asked for and the probe found the rows
-        invariant only up to some pass size (at least 1: then nothing is drafted); None where
-        passes of any probed size agree, or speed was asked for over exactness."""
-        if not self.exact:
-            return None
-        rows = self._probed_rows()
-        return None if rows >= max(WIDE_PASSES) else max(1, rows)
-
-    @property
-    def vouched_rows(self) -> int | None:
-        """The most rows of a pass whose rows get the bits they get in any other pass, where
-        exactness is asked for: the row cap, or where every probed pass agreed the largest pass
-        the probe tried (rows of far larger passes have differed on files whose probed passes
-        agreed, see the module's docstring); None where speed was asked for over exactness."""
-        if not self.exact:
-            return None
-        cap = self.row_cap
-        return max(WIDE_PASSES) if cap is None else cap
+    def _probe_backend(self, n_ctx: int) -> LlamaCppBackend:
+        """A backend over the same model in a context of its own of `n_ctx` cells, for the
+        row-invariance probe (see `RowProbe.probe_invariance`)."""
+        return LlamaCppBackend(
+            self.model,
+            n_ctx=n_ctx,
+            n_batch=self.n_batch,
+            threads=self.threads,
+            name=self.name,
+        )
 
     def draft_room(self) -> int | None:
         """The most draft tokens the next verify pass may carry within `row_cap` (None: no
@@ -412,101 +130,10 @@ class LlamaCppBackend:
         cap = self.row_cap
         return None if cap is None else max(0, cap - 1 - len(self._owed))
 
-    def row_cap_note(self) -> str | None:
-        """The line a speculative run on this model is told when its drafts are capped below a
-        default draft's length (a cap on longer drafts only, such as ngram-mod's, goes unsaid)."""
-        cap = self.row_cap
-        if cap is None or cap >= max(PROBE_PASSES):
-            return None
-        where = f"in passes of up to {cap} rows" if cap > 1 else "in one-row passes"
-        kept = f"drafts are capped at {cap - 1} tokens a step" if cap > 1 else "nothing is drafted"
-        return (
-            f"llama.cpp gives {self.name}'s rows their one-row bits only {where} (probed): {kept} so "
-            "that output equals plain output (--passes bucketed lifts the cap, at near-ties' risk; "
-            "-nr/--no-repack or llama.cpp's row-invariant build may raise it; see docs/gguf.md)"
-        )
-
-    def row_variance_warning(self, trees: bool) -> str | None:
-        """What a speculative run on this model should be told when its rows are not invariant
-        and exactness was given up (--passes bucketed; `trees`, whether it may draft trees,
-        changes nothing: any multi-row pass may vary)."""
-        if self.exact or self._probed_rows() >= max(WIDE_PASSES):
-            return None
-        probe, agreed = self.model.probe, self.model.invariant_rows
-        return (
-            f"llama.cpp rounds {probe.rows - probe.identical} of {probe.rows} probed rows of {self.name} "
-            "differently in multi-row passes than alone"
-            + (f" (passes of up to {agreed} rows agreed)" if agreed else "")
-            + ": with --passes bucketed, greedy speculative output equals plain output up to near-ties "
-            "only (bit for bit: the default --passes, see docs/gguf.md)"
-        )
-
-    def probe_invariance(self) -> RowAgreement:
-        """Passes of the row counts in PROBE_PASSES, each over the next positions of a greedy
-        continuation, against the rows plain generation scored for it one at a time, bit for
-        bit; then passes of every size in WIDE_PASSES at each cache length of `probe_lengths`
-        (up to this backend's context), against PROBE_ROWS rows scored one at a time there.
-        Which kernel llama.cpp runs depends on the build, the weight types, the repacking, the
-        threads, the row count and the cells cached, and some round differently only for some
-        inputs: hence new rows for every short pass, from the model's own text. A pass size is
-        vouched for (`invariant_rows`) where it and every smaller probed size agreed at every
-        length. In a context of its own: this backend's cache is untouched."""
-        ids = self.tokenize(PROBE_TEXT)[:PROBE_CONTEXT]
-        context, needed = len(ids), len(ids) + sum(PROBE_PASSES)
-        lengths = probe_lengths(self.n_ctx)
-        probe = LlamaCppBackend(
-            self.model,
-            n_ctx=max(needed, lengths[-1] + CLASS_PASS),
-            n_batch=self.n_batch,
-            threads=self.threads,
-            name=self.name,
-        )
-        rows = [probe.evaluate(ids)[-1]]
-        while len(ids) < needed:
-            ids.append(int(rows[-1].argmax()))
-            rows.append(probe.evaluate(ids[-1:])[-1])
-        alone = torch.stack(rows[1:])  # position context + i
-        agreement, start, agreed = RowAgreement(0, 0, 0), context, dict.fromkeys(WIDE_PASSES, True)
-        for k in PROBE_PASSES:
-            probe.truncate(start)
-            this_pass = RowAgreement.of(probe.evaluate(ids[start : start + k]), alone[start - context :][:k])
-            agreed[k] &= this_pass.invariant
-            agreement += this_pass
-            start += k
-        text = self.tokenize(PROBE_TEXT)
-        filler = [text[i % len(text)] for i in range(lengths[-1] + CLASS_PASS)]
-        probe.truncate(0)
-        firsts: list[dict[int, torch.Tensor]] = []  # per length: each pass's first rows
-        for length in lengths:
-            probe.truncate(length)
-            if len(probe.tokens) < length:
-                probe.evaluate(filler[len(probe.tokens) : length])
-            alone = torch.cat([probe.evaluate([token]) for token in filler[length : length + PROBE_ROWS]])
-            firsts.append({})
-            for k in (*WIDE_PASSES, CLASS_PASS):
-                probe.truncate(length)
-                together = probe.evaluate(filler[length : length + k])[:PROBE_ROWS]
-                firsts[-1][k] = together
-                if k in agreed:
-                    this_pass = RowAgreement.of(together, alone[: len(together)])
-                    agreed[k] &= this_pass.invariant
-                    agreement += this_pass
-        self.model.invariant_rows = 0
-        for k in sorted(agreed):
-            if not agreed[k]:
-                break
-            self.model.invariant_rows = k
-        wide = [k for k in (*WIDE_PASSES, CLASS_PASS) if k > self.model.invariant_rows]
-        common = min(PROBE_ROWS, wide[0])
-        self.model.wide_rows_agree = all(
-            torch.equal(rows[k][:common], rows[wide[0]][:common]) for rows in firsts for k in wide
-        )
-        return agreement
-
     @classmethod
     def load(cls, path: str | Path, options: LoadOptions) -> LlamaCppBackend:
         """Load a GGUF file with the LoadOptions the other backends take (dtype is the file's)."""
-        _require()
+        require_library()
         path = Path(path)
         if options.dtype != "auto":
             raise SpecdecodeError(
@@ -785,7 +412,7 @@ class LlamaCppBackend:
                 f"{self.name}: llama.cpp exposes the inputs of layers 0..{self.n_layers - 1}, not "
                 f"layer ids {beyond} (the last layer's output): run this head with --backend native"
             )
-        api = _layer_input_api()
+        api = layer_input_api()
         for layer in range(self.n_layers):
             api["set"](self._context, layer, layer in layer_ids)
         self._hidden = HiddenRows(layer_ids, self.hidden_size) if layer_ids else None
@@ -809,7 +436,7 @@ class LlamaCppBackend:
         """Append the captured layers' rows of the first `rows` rows of the pass just decoded."""
         if self._hidden is None or rows == 0:
             return
-        get = _layer_input_api()["get"]
+        get = layer_input_api()["get"]
         layers = [
             np.ctypeslib.as_array(get(self._context, layer), shape=(rows, self.hidden_size))
             for layer in self._hidden.layer_ids

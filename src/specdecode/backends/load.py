@@ -58,7 +58,7 @@ def load_backend(
 def _load_pytorch(path: Path, options: LoadOptions) -> HFBackend:
     """A directory on the native forward where it runs (unless "hf" is asked for), else transformers'."""
     from specdecode.backends.hf import HFBackend, _check_device, check_model_directory, load_model_config
-    from specdecode.backends.native import native_unsupported
+    from specdecode.backends.native_weights import native_unsupported
 
     if options.backend == "hf":
         return HFBackend.load(path, options)
@@ -132,13 +132,12 @@ def check_not_hub_id(path: str | Path) -> None:
 
 
 def _load_gguf(path: Path, options: LoadOptions) -> HFBackend | LlamaCppBackend:
-    from specdecode.backends import llama_cpp as llama_cpp_backend
+    from specdecode.backends import llama_lib
+    from specdecode.backends.llama_cpp import LlamaCppBackend
 
-    use_llama_cpp = options.backend == "llama.cpp" or (
-        options.backend == "auto" and llama_cpp_backend.available()
-    )
+    use_llama_cpp = options.backend == "llama.cpp" or (options.backend == "auto" and llama_lib.available())
     if use_llama_cpp:
-        backend = llama_cpp_backend.LlamaCppBackend.load(path, options)
+        backend = LlamaCppBackend.load(path, options)
         if options.threads:
             # The sampler's PyTorch work between passes keeps to the threads asked for too: split
             # over more, its vocabulary-long vectors cost milliseconds of waiting per token.
@@ -166,7 +165,7 @@ def _in_memory(
     """The native forward over a model in memory where it runs and `options` allow it, else
     transformers'. where: what the model came from, for messages."""
     from specdecode.backends.hf import HFBackend, check_loaded_model
-    from specdecode.backends.native import native_unsupported
+    from specdecode.backends.native_weights import native_unsupported
 
     check_loaded_model(model, tokenizer, where)
     reason = native_unsupported(model.config)

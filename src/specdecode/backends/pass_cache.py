@@ -6,7 +6,7 @@ threads, the device and the machine. So they are stored, one small JSON file per
 `$XDG_CACHE_HOME/specdecode/pass-costs/` (~/.cache by default). The policy still learns from the
 passes it runs, so a stored timing only has to be a good start; the policy checks it against
 a one-row pass timed at load and times everything again where the machine's load has changed
-it by more than STALE_FACTOR (`specdecode.policy`). llama.cpp's row-invariance probe keeps its
+it by more than STALE_FACTOR (`specdecode.costs`). llama.cpp's row-invariance probe keeps its
 verdict the same way (`read_value`, `write_value`), under a key of its own.
 
 A model is known by its files (a directory by its config.json and its weight files' names,

@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING
 
 from specdecode.backends.hf import HFBackend, LoadOptions
 from specdecode.backends.load import load_backend
-from specdecode.bench.flags import CHAT_TASKS
 from specdecode.bench.machine import Machine, dtype_of, machine_line
 from specdecode.bench.metrics import summarize
+from specdecode.bench.names import CHAT_TASKS
 from specdecode.bench.report import (
     plot_title,
     policy_lines,

@@ -2,8 +2,9 @@
 `bench-constrained`.
 
 Kept apart from the benchmarks themselves, which import torch: building the command line (and
-answering --help or a mistyped flag) imports nothing heavy. Each handler imports its
-benchmark when it runs.
+answering --help or a mistyped flag) imports nothing heavy. Each command's handler is named as
+"module:function" (`specdecode.cli.handler` imports it when the command runs), and the names
+both the flags and the benchmarks read live in `bench.names`.
 """
 
 from __future__ import annotations
@@ -11,18 +12,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from specdecode.bench.names import ALL_TASKS, CONSTRAINED_SYSTEMS, TASK_NAMES
 from specdecode.chat import add_chat_args
 from specdecode.config import BACKENDS, DTYPE_NAMES, DraftModelConfig
 
-TASK_NAMES = ("completion", "editing", "extraction", "free", "free-t1")
-# Run only when asked (--tasks): sessions of several turns, and user messages for --chat.
-AGENT_TASKS = ("agent-edit", "agent-records")
-CHAT_TASKS = ("chat-edit", "chat-complete", "chat-summarise", "chat-qa", "chat-free")
-ALL_TASKS = TASK_NAMES + AGENT_TASKS + CHAT_TASKS
-SERVE_SYSTEMS = (
-    "threads,batched,batched:draft,batched:draft@adaptive,batched:ngram-mod,batched:ngram-mod@adaptive"
-)
-CONSTRAINED_SYSTEMS = ("plain", "forced", "ngram-simple,ngram-mod", "draft", "ngram-simple,ngram-mod,draft")
 DRAFTING = DraftModelConfig()  # llama.cpp's classic drafting defaults
 
 BENCH_EXAMPLES = """\
@@ -149,7 +142,7 @@ def add_bench_draft_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="N,...",
         help="suffix: also time drafts against process-wide stores of these many tokens (0: none)",
     )
-    parser.set_defaults(handler=run_bench_draft)
+    parser.set_defaults(handler="specdecode.bench.drafting:run")
 
 
 def _token_counts(text: str) -> list[int]:
@@ -161,12 +154,6 @@ def _token_counts(text: str) -> list[int]:
     if any(count < 0 for count in counts):
         raise argparse.ArgumentTypeError("token counts must be >= 0")
     return [count for count in counts if count > 0]
-
-
-def run_bench_draft(args: argparse.Namespace) -> None:
-    from specdecode.bench import drafting
-
-    drafting.run(args)
 
 
 def add_bench_passes_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -185,16 +172,12 @@ def add_bench_passes_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPE_NAMES], help="its dtype")
     parser.add_argument("-t", "--threads", type=int, default=1, help="CPU threads")
     parser.add_argument("--reps", type=int, default=30, help="timed passes per row count")
-    parser.set_defaults(handler=run_bench_passes)
+    parser.set_defaults(handler="specdecode.bench.passes:run")
 
 
-def run_bench_passes(args: argparse.Namespace) -> None:
-    from specdecode.bench import passes
-
-    passes.run(args)
-
-
-def add_bench_serve_parser(subparsers: argparse._SubParsersAction) -> None:
+def add_bench_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register `bench-serve` with all its flags, --http's too, and its in-process benchmark's
+    handler; `specdecode.compare.flags` names the handler that also runs --http."""
     parser = subparsers.add_parser(
         "bench-serve",
         help="throughput and p50/p99 latency at several concurrencies: per-request threads vs batching",
@@ -249,22 +232,8 @@ def add_bench_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         "--gap", action="store_true", help="also: 4 streams' longest pause while a long prompt arrives"
     )
     http.add_argument("--gap-tokens", type=int, default=4000, help="the long prompt's tokens")
-    parser.set_defaults(handler=run_bench_serve)
-
-
-def run_bench_serve(args: argparse.Namespace) -> None:
-    if args.http:
-        from specdecode.bench import against_llama
-
-        args.threads = 1 if args.threads is None else args.threads
-        against_llama.run(args)
-        return
-    from specdecode.bench import serving
-
-    args.systems = args.systems or SERVE_SYSTEMS
-    args.concurrency = args.concurrency or "1,2,4,8,16,32"
-    args.prompts = 16 if args.prompts is None else args.prompts
-    serving.run(args)
+    parser.set_defaults(handler="specdecode.bench.serving:run")
+    return parser
 
 
 def add_bench_constrained_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -287,10 +256,4 @@ def add_bench_constrained_parser(subparsers: argparse._SubParsersAction) -> None
         default=";".join(CONSTRAINED_SYSTEMS),
         help="';'-separated --spec-type values ('plain': none)",
     )
-    parser.set_defaults(handler=run_bench_constrained)
-
-
-def run_bench_constrained(args: argparse.Namespace) -> None:
-    from specdecode.bench import constrained
-
-    constrained.run(args)
+    parser.set_defaults(handler="specdecode.bench.constrained:run")

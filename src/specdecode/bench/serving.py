@@ -43,6 +43,7 @@ from specdecode.backends.load import load_backend
 from specdecode.bench.machine import Machine, Stopwatch, dtype_of, machine_line
 from specdecode.bench.systems import ADAPTIVE
 from specdecode.bench.tasks import build_tasks
+from specdecode.costs import BATCH_CALIBRATION_ROWS, calibrate
 from specdecode.defaults import resolve_models
 from specdecode.errors import SpecdecodeError, require
 from specdecode.generate import Generation, GenerationConfig
@@ -55,6 +56,9 @@ if TYPE_CHECKING:
 
 GREEDY = SamplingParams(temperature=0)
 BATCHED = ("batched", "separate")  # the systems that run the BatchEngine
+SERVE_SYSTEMS = (
+    "threads,batched,batched:draft,batched:draft@adaptive,batched:ngram-mod,batched:ngram-mod@adaptive"
+)
 
 
 @dataclass
@@ -92,6 +96,11 @@ class Level:
 
 
 def run(args: argparse.Namespace) -> None:
+    """`specdecode bench-serve` (without --http): its defaults, then every system at every
+    concurrency."""
+    args.systems = args.systems or SERVE_SYSTEMS
+    args.concurrency = args.concurrency or "1,2,4,8,16,32"
+    args.prompts = 16 if args.prompts is None else args.prompts
     systems = [name.strip() for name in args.systems.split(",") if name.strip()]
     for name in systems:
         if name not in ("threads", *BATCHED) and not name.startswith(tuple(f"{b}:" for b in BATCHED)):
@@ -113,7 +122,7 @@ def run(args: argparse.Namespace) -> None:
     prompts = [target.tokenize(p) for p in build_tasks(["completion"], args.prompts)[0].prompts]
     config = GenerationConfig(n_predict=args.n_predict, ignore_eos=True)
     draft_config = DraftModelConfig(n_max=args.draft_max, p_min=args.draft_p_min)
-    rule = LoadRule.timed(target.fork())
+    rule = LoadRule(calibrate(target.fork(), BATCH_CALIBRATION_ROWS, store=False, prior_on_failure=True))
     dtypes = {"target": dtype_of(target)} | ({"draft": dtype_of(draft)} if draft is not None else {})
     machine = Machine()
     console.print(

@@ -38,8 +38,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from specdecode.bench.flags import ALL_TASKS
-from specdecode.bench.flags import TASK_NAMES as TASK_NAMES
+from specdecode.bench.names import ALL_TASKS
 from specdecode.errors import SpecdecodeError, read_text_file
 from specdecode.sampling import SamplingParams
 from specdecode.train.corpus import corpus_files, split_files, stdlib_root

@@ -22,6 +22,7 @@ from specdecode.backends.hf import LoadOptions, load_model_config
 from specdecode.backends.load import load_backend
 from specdecode.defaults import resolve_eagle3, resolve_models
 from specdecode.errors import SpecdecodeError
+from specdecode.export.choices import ENGINES
 from specdecode.export.engines import (
     Served,
     llama_server_command,
@@ -30,7 +31,6 @@ from specdecode.export.engines import (
     write_sglang,
     write_speculators,
 )
-from specdecode.export.flags import ENGINES
 from specdecode.strategies.eagle3_checkpoint import load_head
 
 
@@ -44,7 +44,7 @@ def parse_engines(text: str) -> list[str]:
     return engines
 
 
-def run_export(args: argparse.Namespace) -> None:
+def run(args: argparse.Namespace) -> None:
     engines = parse_engines(args.engines)
     if "llama.cpp" in engines:  # the gguf package (the gguf extra): only to write GGUF files
         from specdecode.export.gguf import TYPES, check_model_gguf, write_head_gguf

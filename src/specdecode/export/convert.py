@@ -26,12 +26,12 @@ from transformers import GenerationConfig
 from specdecode.backends.gguf_files import load_gguf_model
 from specdecode.backends.load import is_gguf
 from specdecode.errors import SpecdecodeError
-from specdecode.export.flags import CONVERT_DTYPES
+from specdecode.export.choices import CONVERT_DTYPES
 
 DTYPES = {name: getattr(torch, name) for name in CONVERT_DTYPES}
 
 
-def run_convert(args: argparse.Namespace) -> None:
+def run(args: argparse.Namespace) -> None:
     out = convert_gguf(args.gguf, args.out, args.dtype, force=args.force)
     print(f"converted {args.gguf} to {out}", file=sys.stderr)
 

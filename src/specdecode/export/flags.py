@@ -1,5 +1,6 @@
 """The flags of `specdecode export` and `convert`, kept apart from the exporters, which import
-torch: building the command line (and answering --help or a mistyped flag) imports nothing heavy."""
+torch: building the command line (and answering --help or a mistyped flag) imports nothing heavy.
+Each handler is named as "module:function" (`run` in `export.command` and `export.convert`)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,7 @@ import argparse
 from pathlib import Path
 
 from specdecode.config import GGUF_FORMATS, LLAMA_CPP_FORMATS
-
-ENGINES = ("vllm", "sglang", "llama.cpp")
-CONVERT_DTYPES = ("float32", "bfloat16", "float16")  # the first is the default
+from specdecode.export.choices import CONVERT_DTYPES, ENGINES
 
 
 def add_export_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -55,13 +54,7 @@ def add_export_parser(subparsers: argparse._SubParsersAction) -> None:
         help="as for generate: how the head's layer ids are read",
     )
     parser.add_argument("--json", action="store_true", help="print the commands as JSON")
-    parser.set_defaults(handler=run_export)
-
-
-def run_export(args: argparse.Namespace) -> None:
-    from specdecode.export import command
-
-    command.run_export(args)
+    parser.set_defaults(handler="specdecode.export.command:run")
 
 
 def add_convert_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -80,10 +73,4 @@ def add_convert_parser(subparsers: argparse._SubParsersAction) -> None:
         "the directory gives the file's logits; bfloat16 halves the size at a rounding)",
     )
     parser.add_argument("--force", action="store_true", help="write into DIR even if it is not empty")
-    parser.set_defaults(handler=run_convert)
-
-
-def run_convert(args: argparse.Namespace) -> None:
-    from specdecode.export import convert
-
-    convert.run_convert(args)
+    parser.set_defaults(handler="specdecode.export.convert:run")

@@ -76,11 +76,36 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(**given)
 
 
+def distributed_entry(handler: Callable[[argparse.Namespace], None]) -> Callable[[argparse.Namespace], None]:
+    """`handler` in --nproc processes under torchrun (see `distributed`), or in this one."""
+
+    def run(args: argparse.Namespace) -> None:
+        if args.nproc < 1:
+            raise SpecdecodeError(f"--nproc must be >= 1, not {args.nproc}")
+        if args.nproc == 1 or distributed.launched():
+            try:
+                handler(args)
+            finally:
+                distributed.finish()
+            return
+        if getattr(args, "calibrate_only", False):
+            raise SpecdecodeError("--calibrate-only runs in one process (no --nproc)")
+        config = config_from_args(args)  # refused here, before any process starts
+        if config.batch_size % args.nproc:
+            raise SpecdecodeError(f"batch_size {config.batch_size} is not a multiple of --nproc {args.nproc}")
+        status = distributed.launch(args.nproc, args.argv)
+        if status:
+            raise SpecdecodeError(f"training in {args.nproc} processes failed (exit status {status})")
+
+    return run
+
+
 def run_tokenizer(args: argparse.Namespace) -> None:
     out = train_tokenizer(args.out, args.vocab_size, data_files(args.data) if args.data else None)
     print(f"tokenizer -> {out}", file=sys.stderr)
 
 
+@distributed_entry
 def run_target(args: argparse.Namespace) -> None:
     config = config_from_args(args)
     tokenizer = load_tokenizer(args.tokenizer)
@@ -90,6 +115,7 @@ def run_target(args: argparse.Namespace) -> None:
     print(f"target -> {out}", file=sys.stderr)
 
 
+@distributed_entry
 def run_draft(args: argparse.Namespace) -> None:
     config = config_from_args(args)
     tokenizer = load_tokenizer(args.target)
@@ -98,6 +124,7 @@ def run_draft(args: argparse.Namespace) -> None:
     print(f"draft -> {out}", file=sys.stderr)
 
 
+@distributed_entry
 def run_eagle3(args: argparse.Namespace) -> None:
     if args.calibrate_only:
         run_eagle3_calibration(args)
@@ -150,27 +177,3 @@ def _layer_ids(text: str | None) -> tuple[int, ...] | None:
         return tuple(int(x) for x in text.split(","))
     except ValueError:
         raise SpecdecodeError(f"--layer-ids takes comma-separated integers, not {text!r}") from None
-
-
-def distributed_entry(handler: Callable[[argparse.Namespace], None]) -> Callable[[argparse.Namespace], None]:
-    """`handler` in --nproc processes under torchrun (see `distributed`), or in this one."""
-
-    def run(args: argparse.Namespace) -> None:
-        if args.nproc < 1:
-            raise SpecdecodeError(f"--nproc must be >= 1, not {args.nproc}")
-        if args.nproc == 1 or distributed.launched():
-            try:
-                handler(args)
-            finally:
-                distributed.finish()
-            return
-        if getattr(args, "calibrate_only", False):
-            raise SpecdecodeError("--calibrate-only runs in one process (no --nproc)")
-        config = config_from_args(args)  # refused here, before any process starts
-        if config.batch_size % args.nproc:
-            raise SpecdecodeError(f"batch_size {config.batch_size} is not a multiple of --nproc {args.nproc}")
-        status = distributed.launch(args.nproc, args.argv)
-        if status:
-            raise SpecdecodeError(f"training in {args.nproc} processes failed (exit status {status})")
-
-    return run

@@ -1,8 +1,8 @@
 """The flags of `specdecode train tokenizer|target|draft|eagle3` and `specdecode eval`.
 
 Kept apart from the training modules, which import torch: building the command line (and
-answering --help or a mistyped flag) imports nothing heavy. Each handler imports the training
-code when it runs.
+answering --help or a mistyped flag) imports nothing heavy. Each handler is named as
+"module:function" (in `train.commands` and `train.evaluate`), imported when its command runs.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
     tok.add_argument("--out", type=Path, required=True, help="output directory (Hugging Face format)")
     tok.add_argument("--vocab-size", type=int, default=8192, help="tokens in the vocabulary")
     tok.add_argument("--data", type=Path, help="a text file or a directory of files (default: the stdlib)")
-    tok.set_defaults(handler=run_tokenizer)
+    tok.set_defaults(handler="specdecode.train.commands:run_tokenizer")
 
     target = commands.add_parser(
         "target",
@@ -73,7 +73,7 @@ def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
     target.add_argument("--tokenizer", type=Path, required=True, help="tokenizer directory")
     target.add_argument("--out", type=Path, required=True, help="output model directory")
     add_training_args(target)
-    target.set_defaults(handler=run_target)
+    target.set_defaults(handler="specdecode.train.commands:run_target")
 
     draft = commands.add_parser(
         "draft",
@@ -84,7 +84,7 @@ def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
     draft.add_argument("--target", type=Path, required=True, help="target model directory")
     draft.add_argument("--out", type=Path, required=True, help="output model directory")
     add_training_args(draft)
-    draft.set_defaults(handler=run_draft)
+    draft.set_defaults(handler="specdecode.train.commands:run_draft")
 
     eagle3 = commands.add_parser(
         "eagle3",
@@ -123,7 +123,7 @@ def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
         "not on the corpus (default: 0, the corpus)",
     )
     add_training_args(eagle3)
-    eagle3.set_defaults(handler=run_eagle3)
+    eagle3.set_defaults(handler="specdecode.train.commands:run_eagle3")
 
 
 def add_training_args(parser: argparse.ArgumentParser) -> None:
@@ -144,30 +144,6 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
         group.add_argument(
             flag, type=kind, choices=CHOICES.get(field.name), help=TRAINING_HELP[field.name] + shown
         )
-
-
-def run_tokenizer(args: argparse.Namespace) -> None:
-    from specdecode.train import commands
-
-    commands.run_tokenizer(args)
-
-
-def run_target(args: argparse.Namespace) -> None:
-    from specdecode.train import commands
-
-    commands.distributed_entry(commands.run_target)(args)
-
-
-def run_draft(args: argparse.Namespace) -> None:
-    from specdecode.train import commands
-
-    commands.distributed_entry(commands.run_draft)(args)
-
-
-def run_eagle3(args: argparse.Namespace) -> None:
-    from specdecode.train import commands
-
-    commands.distributed_entry(commands.run_eagle3)(args)
 
 
 def add_eval_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -196,11 +172,5 @@ def add_eval_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     parser.add_argument("--max-tokens", type=int, default=65536, help="held-out tokens scored")
     parser.add_argument("--corpus", type=Path, help="corpus root (default: this Python's stdlib)")
     parser.add_argument("--json", type=Path, metavar="FILE", help="also write the numbers to FILE")
-    parser.set_defaults(handler=run_eval)
+    parser.set_defaults(handler="specdecode.train.evaluate:run_eval")
     return parser
-
-
-def run_eval(args: argparse.Namespace) -> None:
-    from specdecode.train import evaluate
-
-    evaluate.run_eval(args)

@@ -1,6 +1,6 @@
 """What our loop costs on llama.cpp's kernels, and whether llama.cpp's rows are batch-invariant.
 
-    python -m specdecode.bench.llama_loop -m target.gguf [-n 128] [-t 1]
+    python -m specdecode.compare.llama_loop -m target.gguf [-n 128] [-t 1]
 
 1. Plain generation, greedy, three ways over the same GGUF file and prompt, in alternated
    rounds (medians): llama.cpp's own loop through the C API (decode one token, argmax over
@@ -28,7 +28,9 @@ import torch
 
 from specdecode import GenerationConfig, Pipeline, SamplingParams
 from specdecode.backends.hf import LoadOptions
-from specdecode.backends.llama_cpp import LlamaCppBackend, RowAgreement, llama_cpp
+from specdecode.backends.llama_cpp import LlamaCppBackend
+from specdecode.backends.llama_lib import llama_cpp
+from specdecode.backends.llama_probe import RowAgreement
 
 PROMPT = "import os\n\n\ndef read_lines(path):"
 

@@ -1,0 +1,245 @@
+"""`python -m specdecode.compare.gpu_check --out DIR`: what a GPU run must answer, in one go.
+
+Sections (`--sections` picks some):
+- exactness: the bundled pair on the device, per dtype and passes mode: greedy and seeded
+  outputs of draft-model chains and trees, n-grams and batches against plain generation;
+  where one differs, the position and plain's own top-2 logit margin there, against the
+  kernels' rounding (the largest logit difference measured between a row of a multi-row
+  pass, a tree pass or a batched pass and the one-row pass for the same position);
+- passes: what a pass costs by its rows, t(rows), for one sequence and for several sequences'
+  rows in one pass, on random-weight models of Llama-3.2-1B's and Llama-3.1-8B's shapes;
+- speed: on those models, tokens/s of plain decoding against transformers' `generate`, of
+  speculation with the target as its own draft (an oracle drafting the known greedy
+  continuation: the ceiling our overhead allows; the model as draft model, against
+  transformers' assisted generation), of batches, and the share of a decode the GPU idles;
+- goals: the plan's targets, met or missed, from the numbers above.
+
+Why it is built this way: it runs once, on a machine with only torch, triton, transformers,
+safetensors, tokenizers and numpy, in minutes of borrowed time. So it imports only the
+generation path, runs every part in a try block that records the error and goes on, skips what
+a section's time budget no longer allows, prints progress as it goes, and rewrites
+DIR/gpu_check.json and DIR/gpu_check.md after every part: a run cut short leaves what it
+measured. `--device cpu --quick` runs the whole of it on tiny shapes, to check the check.
+
+This module holds the goals section and the run; its settings are in `gpu_setup`, the report in
+`gpu_report`, the models and shared helpers in `gpu_models`, the sections in `gpu_exactness` and
+`gpu_speed` (passes and speed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from specdecode.backends.hf import DTYPES
+from specdecode.compare.gpu_exactness import exactness
+from specdecode.compare.gpu_models import Run, random_model, word_tokenizer
+from specdecode.compare.gpu_report import Report, machine
+from specdecode.compare.gpu_setup import (
+    FULL,
+    GOAL_IDLE,
+    GOAL_ORACLE,
+    GOAL_PLAIN,
+    GRAPH_MODES,
+    MODES,
+    N_CTX,
+    ORACLE_SYSTEM,
+    QUICK,
+    SECTIONS,
+    SHAPES,
+    Shape,
+    release,
+)
+from specdecode.compare.gpu_speed import pass_costs, speed
+
+# --------------------------------------------------------------------------- goals
+
+
+def goals(run: Run) -> None:
+    """The plan's targets, from what the other sections measured ("not measured" where they
+    did not run or failed)."""
+    sections = run.report.data["sections"]
+    speed_rows = sections.get("speed", {}).get("rows", [])
+    found = {(row["shape"], row["mode"], row["system"]): row for row in speed_rows}
+    shapes = list(dict.fromkeys(row["shape"] for row in speed_rows)) or [shape.label for shape in run.shapes]
+    modes = list(dict.fromkeys(row["mode"] for row in speed_rows if row["mode"] != "-")) or run.timing_modes
+    for shape in shapes:
+        hf = found.get((shape, "-", "transformers generate"), {}).get("tokens/s")
+        for mode in modes:
+            plain = found.get((shape, mode, "ours plain"), {})
+            oracle = found.get((shape, mode, ORACLE_SYSTEM), {}).get("tokens/s")
+            where = (run, shape, mode)
+            ratio_goal(
+                *where, f"plain >= {GOAL_PLAIN}x transformers generate", plain.get("tokens/s"), hf, GOAL_PLAIN
+            )
+            ratio_goal(
+                *where, f"oracle >= {GOAL_ORACLE}x our plain", oracle, plain.get("tokens/s"), GOAL_ORACLE
+            )
+            idle = plain.get("GPU idle")
+            numbers, met = (None, None) if idle is None else (f"{100 * idle:.1f}% idle", idle <= GOAL_IDLE)
+            add_goal(*where, f"GPU idle <= {100 * GOAL_IDLE:.0f}% of a plain decode", numbers, met)
+    greedy = [row for row in sections.get("exactness", {}).get("rows", []) if row["sampling"] == "greedy"]
+    goal = "greedy output identical to plain (or within rounding)"
+    for dtype, mode in dict.fromkeys((row["dtype"], row["mode"]) for row in greedy):
+        rows = [row for row in greedy if (row["dtype"], row["mode"]) == (dtype, mode)]
+        bad = [f"{row['case']} {row['identical']}" for row in rows if row["verdict"] not in EXPLAINED]
+        within = [row["case"] for row in rows if row["verdict"] == "within rounding"]
+        numbers = f"{len(rows) - len(bad)}/{len(rows)} cases exact or within rounding"
+        numbers += f"; within rounding: {', '.join(within)}" if within else ""
+        numbers += f"; not: {', '.join(bad)}" if bad else ""
+        add_goal(run, f"bundled {dtype}", mode, goal, numbers, not bad)
+    if not greedy:
+        add_goal(run, "bundled", "-", goal, None, None)
+
+
+EXPLAINED = ("exact", "within rounding")
+
+
+def ratio_goal(
+    run: Run, shape: str, mode: str, goal: str, value: float | None, base: float | None, factor: float
+) -> None:
+    if value is None or base is None:
+        add_goal(run, shape, mode, goal, None, None)
+    else:
+        numbers = f"{value / base:.2f}x ({value:.1f} vs {base:.1f} tokens/s)"
+        add_goal(run, shape, mode, goal, numbers, value >= factor * base)
+
+
+def add_goal(run: Run, shape: str, mode: str, goal: str, numbers: str | None, met: bool | None) -> None:
+    status = "not measured" if met is None else "met" if met else "MISSED"
+    run.report.add(
+        "goals", {"goal": goal, "shape": shape, "mode": mode, "numbers": numbers, "status": status}
+    )
+
+
+# --------------------------------------------------------------------------- the run
+
+
+def build(run: Run, shape: Shape) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    start = time.perf_counter()
+    model = random_model(shape, run.device)
+    tokenizer = word_tokenizer(shape.vocab)
+    run.sync()
+    row = {
+        "shape": shape.label,
+        "parameters (B)": sum(p.numel() for p in model.parameters()) / 1e9,
+        "build s": time.perf_counter() - start,
+    }
+    if run.device.type == "cuda":
+        row["GPU GiB allocated"] = torch.cuda.memory_allocated(run.device) / 2**30
+    run.report.add("models", row)
+    return model, tokenizer
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m specdecode.compare.gpu_check",
+        description="Exactness, pass costs, speed and the plan's goals on a GPU: DIR/gpu_check.{json,md}.",
+    )
+    parser.add_argument("--out", type=Path, required=True, help="directory for gpu_check.json and .md")
+    parser.add_argument("--quick", action="store_true", help="smaller sizes (fewer prompts, rows, tokens)")
+    parser.add_argument(
+        "--sections", default=",".join(SECTIONS), help=f"comma-separated, of {', '.join(SECTIONS)}"
+    )
+    parser.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu")
+    parser.add_argument(
+        "--shapes", help=f"random-weight model shapes, of {', '.join(SHAPES)} (default: 1b,8b; tiny on a CPU)"
+    )
+    parser.add_argument("--dtypes", default="bfloat16,float32", help="the bundled pair's dtypes (exactness)")
+    parser.add_argument(
+        "--passes",
+        help=f"passes modes, of {', '.join(MODES)} (default: on a GPU all for exactness and fixed,bucketed "
+        "for timings; on a CPU invariant)",
+    )
+    args = parser.parse_args(argv)
+    args.sections = names(parser, args.sections, SECTIONS, "section")
+    on_gpu = args.device.startswith("cuda")
+    args.shapes = names(parser, args.shapes or ("1b,8b" if on_gpu else "tiny"), tuple(SHAPES), "shape")
+    args.dtypes = names(parser, args.dtypes, tuple(DTYPES), "dtype")
+    if args.passes is not None:
+        args.exact_modes = args.timing_modes = names(parser, args.passes, MODES, "passes mode")
+    else:
+        args.exact_modes = list(MODES) if on_gpu else ["invariant"]
+        args.timing_modes = list(GRAPH_MODES) if on_gpu else ["invariant"]
+    return args
+
+
+def names(parser: argparse.ArgumentParser, text: str, choices: tuple[str, ...], what: str) -> list[str]:
+    chosen = [name.strip() for name in text.split(",") if name.strip()]
+    for name in chosen:
+        if name not in choices:
+            parser.error(f"unknown {what} {name!r} (choose from {', '.join(choices)})")
+    return chosen
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the sections asked for; 1 when any part recorded an error (the files hold it)."""
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("gpu_check: no CUDA device here (use --device cpu --quick to check the check)", file=sys.stderr)
+        return 2
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    if device.type == "cpu":
+        # One thread: the CPU run checks the check on tiny models, where more threads only add
+        # synchronisation, and on a shared machine make every pass many times slower.
+        torch.set_num_threads(1)
+    sizes = QUICK if args.quick else FULL
+    if device.type != "cuda":  # the budgets ration a GPU's borrowed minutes; a CPU run rehearses all
+        sizes = replace(sizes, exactness_budget=None, passes_budget=None, speed_budget=None)
+    settings = {
+        "quick": args.quick,
+        "sections": args.sections,
+        "shapes": args.shapes,
+        "dtypes": args.dtypes,
+        "n_ctx": N_CTX,
+        **asdict(sizes),
+    }
+    report = Report(args.out, machine(device), settings)
+    run = Run(
+        report=report,
+        device=device,
+        sizes=sizes,
+        dtypes=[DTYPES[name] for name in args.dtypes],
+        exact_modes=args.exact_modes,
+        timing_modes=args.timing_modes,
+        shapes=[SHAPES[name] for name in args.shapes],
+    )
+    settings.update(exact_modes=run.exact_modes, timing_modes=run.timing_modes)
+    report.log(
+        f"{report.data['machine']['gpu']}, torch {torch.__version__}; sections {', '.join(args.sections)}"
+    )
+    if "exactness" in args.sections:
+        with report.section("exactness", sizes.exactness_budget):
+            exactness(run)
+    timings = {"passes": (pass_costs, sizes.passes_budget), "speed": (speed, sizes.speed_budget)}
+    timings = {name: entry for name, entry in timings.items() if name in args.sections}
+    for shape in run.shapes if timings else []:
+        with report.section("models"):
+            built = report.attempt("models", f"build {shape.label}", build, run, shape)
+        if built is None:
+            continue
+        for name, (measure, budget) in timings.items():
+            with report.section(name, budget):
+                measure(run, shape, *built)
+        del built
+        release()
+    if "goals" in args.sections:
+        with report.section("goals"):
+            goals(run)
+    errors = report.errors()
+    report.log(f"done: {errors} error(s) recorded; wrote {args.out / 'gpu_check.json'} and gpu_check.md")
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,133 @@
+"""What every section of the GPU check reads (`Run`), the backends and random-weight models it
+measures, and the timing and comparing helpers the sections share."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from tokenizers import Tokenizer, pre_tokenizers
+from tokenizers.models import WordLevel
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+)
+
+from specdecode.backends import Backend
+from specdecode.backends.load import native_backend
+from specdecode.compare.gpu_report import Report
+from specdecode.compare.gpu_setup import LLAMA3_ROPE, N_CTX, SEED, Shape, Sizes
+
+
+@dataclass
+class Run:
+    """What every section reads: the device, the sizes and the choices made for this run."""
+
+    report: Report
+    device: torch.device
+    sizes: Sizes
+    dtypes: list[torch.dtype]
+    exact_modes: list[str]
+    timing_modes: list[str]
+    shapes: list[Shape]
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+def make_backend(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, mode: str, name: str) -> Backend:
+    return native_backend(model, tokenizer, passes=mode, n_ctx=N_CTX, name=name)
+
+
+def busy_seconds(backend: Backend) -> float | None:
+    """GPU seconds of the backend's passes since its last reset (None: it does not measure them)."""
+    measure = getattr(backend, "busy_seconds", None)
+    seconds = measure() if measure is not None else None
+    return seconds if seconds else None
+
+
+def reset_busy(backend: Backend) -> None:
+    reset = getattr(backend, "reset_busy", None)
+    if reset is not None:
+        reset()
+
+
+def llama_config(shape: Shape) -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=shape.vocab,
+        hidden_size=shape.hidden,
+        intermediate_size=shape.intermediate,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        head_dim=shape.hidden // shape.heads,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        rope_parameters=dict(LLAMA3_ROPE),
+        tie_word_embeddings=shape.tied,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=1,
+    )
+
+
+def random_model(shape: Shape, device: torch.device) -> LlamaForCausalLM:
+    """Random bfloat16 weights made on the device itself: an 8B model's 16 GB are never
+    initialised by a CPU."""
+    torch.manual_seed(SEED)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(llama_config(shape))
+    finally:
+        torch.set_default_dtype(previous)
+    return model.eval()
+
+
+def word_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
+    """A tokenizer whose vocabulary is exactly the model's ids ("t0", "t1", ...): prompts are
+    given as ids, and text is only ever decoded."""
+    vocab = {f"t{index}": index for index in range(vocab_size)}
+    tokenizer = Tokenizer(WordLevel(vocab, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="t0", eos_token="t1")
+
+
+def random_ids(vocab: int, count: int, seed: int) -> list[int]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(2, vocab, (count,), generator=generator).tolist()
+
+
+def median_seconds(run: Run, call: Callable[[], object], reset: Callable[[], object]) -> tuple[float, float]:
+    """(median seconds of `call` after two warm-up calls, seconds of the first call: where
+    graphs are captured); every call is followed by `reset`."""
+    samples = []
+    for _ in range(run.sizes.reps + 2):
+        run.sync()
+        start = time.perf_counter()
+        call()
+        run.sync()
+        samples.append(time.perf_counter() - start)
+        reset()
+    return statistics.median(samples[2:]), samples[0]
+
+
+def agreement(a: Sequence[int], b: Sequence[int]) -> str:
+    position = first_difference(a, b)
+    return "identical" if position is None else f"differs from token {position}"
+
+
+def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """The first position where two outputs differ (None: identical)."""
+    for index, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return index
+    return None if len(a) == len(b) else min(len(a), len(b))
