@@ -70,7 +70,11 @@ def test_load_with_no_model_is_the_bundled_pair_and_says_what_it_loads():
     lines: list[str] = []
     pipe = Pipeline.load(progress=lines.append)
     target, draft = bundled_pair()
-    assert lines == [f"loading the target model from {target}", f"loading the draft model from {draft}"]
+    loading = [line for line in lines if line.startswith("loading")]
+    assert loading == [f"loading the target model from {target}", f"loading the draft model from {draft}"]
+    # and where auto runs the target on llama.cpp, its long steps there: its copy written, its probe
+    others = [line for line in lines if not line.startswith("loading")]
+    assert all(line.startswith(("writing ", "checking that llama.cpp's")) for line in others), others
     assert pipe.spec_types == ["draft"] and pipe.draft is not None
     prompt = "def read_config(path):\n"
     result = pipe.generate(prompt, max_new_tokens=24, ignore_eos=True)
@@ -261,7 +265,10 @@ def test_speculative_config_names_every_drafter():
     [
         ({"method": "ngram", "n": 3}, r"unknown speculative_config key 'n' \(known: method, model"),
         ({"method": "medusa"}, r"unknown speculative_config method 'medusa' \(supported: ngram, draft_model"),
-        ({"method": "suffix", "suffix_decoding_min_token_prob": 2}, "--spec-suffix-min-prob must be in"),
+        (
+            {"method": "suffix", "suffix_decoding_min_token_prob": 2},
+            r"min_prob \(--spec-suffix-min-prob\) must be in",
+        ),
         (
             {"method": "suffix", "suffix_decoding_max_spec_factor": "1"},
             "'suffix_decoding_max_spec_factor' must be",

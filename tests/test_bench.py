@@ -21,7 +21,7 @@ from specdecode.bench.metrics import ideal_speedup, solve_alpha, summarize
 from specdecode.bench.names import AGENT_TASKS, ALL_TASKS, CHAT_TASKS, TASK_NAMES
 from specdecode.bench.plots import _pooled_positions, acceptance_by_position
 from specdecode.bench.suite import Measurement, rounds, run_suite
-from specdecode.bench.systems import build_systems, system_names
+from specdecode.bench.systems import build_systems, quick_system_names
 from specdecode.bench.tasks import Task, as_chats, build_tasks
 from specdecode.chat import ChatPrompt
 from specdecode.cli import build_parser, main
@@ -50,16 +50,17 @@ def pair(tmp_path_factory):
     return save_model(root / "target", target, tokenizer), save_model(root / "draft", draft, tokenizer)
 
 
-def test_quick_run_writes_json_markdown_and_plots_with_every_system(pair, tmp_path, capsys):
+def test_quick_run_writes_json_markdown_and_plots_with_its_systems(pair, tmp_path, capsys):
     target, draft = pair
     out = tmp_path / "results"
     argv = ["bench", "--quick", "-m", str(target), "-md", str(draft), "-n", "12", "--out", str(out)]
-    assert main(argv) == 0
+    assert main([*argv, "--sweep", "2,8"]) == 0
     printed, progress = capsys.readouterr()
     results = json.loads((out / "results.json").read_text())
-    expected = system_names(has_draft=True, include_hf=True)
+    expected = quick_system_names(has_draft=True, include_hf=True)
     assert results["systems"] == expected
-    assert {"hf-plain", "hf-assisted", "hf-prompt-lookup", "draft", "ngram-mod"} <= set(expected)
+    assert expected == ["plain", "draft", "ngram-mod,ngram-map-k4v,draft@adaptive", "hf-plain", "hf-assisted"]
+    assert results["complete"] and results["runs_measured"] == results["runs_planned"] == 5 * len(expected)
     rows = results["rows"]
     assert {(r["task"], r["system"]) for r in rows} == {(t, s) for t in TASK_NAMES for s in expected}
     for row in rows:
@@ -77,11 +78,17 @@ def test_quick_run_writes_json_markdown_and_plots_with_every_system(pair, tmp_pa
     markdown = (out / "results.md").read_text()
     assert "| system | tok/s (min–max) | tok/CPU-s |" in markdown and "| hf-assisted |" in markdown
     assert machine_line(results["machine"]) in printed.splitlines() and "machine: " in markdown
-    # stderr is no terminal here: one line per run (warm-up and measured, sweep included), no bar
+    # stderr is no terminal here: one line per run (one warm-up round before the first prompt,
+    # then measured runs, sweep included), no bar
     runs = [line for line in progress.splitlines() if line.startswith("bench: [")]
-    total = len(TASK_NAMES) * 2 * len(expected) + 2 * 3  # the sweep: plain and draft-max 2, 8
+    total = (len(TASK_NAMES) + 1) * len(expected) + 2 * 3  # the sweep: plain and draft-max 2, 8
     assert len(runs) == total and runs[-1].startswith(f"bench: [{total}/{total}] task completion 1/1")
     assert runs[0].endswith("tok/s") and "system plain (warm-up)" in runs[0]
+    assert sum("(warm-up)" in line for line in runs) == len(expected) + 3
+    records = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
+    assert [r["part"] for r in records].count("suite") == len(TASK_NAMES) * len(expected)
+    assert [r["part"] for r in records].count("sweep") == 3
+    assert all(len(r["tokens"]) == 12 and r["cpu_seconds"] > 0 for r in records)
     assert set(results["machine"]) >= MACHINE_KEYS and results["machine"]["cpu"] and results["date"]
     assert results["machine"]["dtypes"] == {"target": "float64", "draft": "float64"}
 

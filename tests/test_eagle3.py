@@ -699,7 +699,7 @@ def test_eagle3_without_a_head_or_with_a_bad_one_is_one_error_line(saved_pair, t
     target, _ = saved_pair
     argv = ["generate", "-m", str(target), "-p", "x", "-n", "2", "--spec-type", "eagle3"]
     assert main(argv) == 2
-    assert "needs an EAGLE-3 head (-me DIR)" in capsys.readouterr().err
+    assert "needs an EAGLE-3 head: eagle3= (-me DIR)" in capsys.readouterr().err
     assert main([*argv, "-me", str(tmp_path)]) == 2
     *phases, error = capsys.readouterr().err.splitlines()
     assert error.startswith("error: EAGLE-3 head") and "config.json" in error
@@ -761,7 +761,8 @@ def test_calibrate_only_refuses_a_missing_head_before_reading_a_corpus(saved_pai
 def test_bench_lists_eagle3_systems_with_a_head(saved_pair, tmp_path):
     target, head = saved_pair
     out = tmp_path / "bench"
-    argv = ["bench", "--quick", "-m", str(target), "-me", str(head), "-n", "8", "--no-hf"]
+    argv = ["bench", "-m", str(target), "-me", str(head), "-n", "8", "--no-hf"]
+    argv += ["--prompts-per-task", "1", "--runs", "1", "--sweep", "0"]  # every system, once
     argv += ["--tasks", "completion", "--out", str(out), "--no-plots"]
     assert main(argv) == 0
     results = json.loads((out / "results.json").read_text())

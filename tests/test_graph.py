@@ -232,8 +232,8 @@ def test_cli_passes_flag_keeps_the_output(saved_model_dir, capsys):
     ("passes", "tree_flags", "warned"),
     [
         ("fixed", [], None),
-        ("fixed", ["--draft-n-parallel", "2"], "tree nodes"),
-        ("bucketed", [], "near-ties"),
+        ("fixed", ["--draft-n-parallel", "2"], "tree drafts"),
+        ("bucketed", [], "power-of-two"),
     ],
 )
 def test_cli_says_up_front_where_graph_passes_may_leave_plain_output(

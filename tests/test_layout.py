@@ -1,7 +1,7 @@
 """The package's layout: imports run one way, with no circles, and no module outgrows a reading.
 
 cli -> tools (train, compare -> bench, export, lookup, loadtest) and server -> api -> scheduler
--> generate -> chain -> policy -> costs, acceptance -> strategies -> constraints -> drafts ->
+-> generate -> verdicts -> chain -> policy -> costs, acceptance -> strategies -> constraints -> drafts ->
 backends. Read from the source with `ast`, so a lazy import inside a function counts as much as
 one at the top of a module, and so does a command's handler named as "module:function" (see
 `specdecode.cli.handler`).
@@ -30,6 +30,7 @@ FLOORS = (
     "acceptance",
     "policy",
     "chain",
+    "verdicts",
     "generate",
     "scheduler",
     "keywords",

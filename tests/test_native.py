@@ -617,8 +617,8 @@ def test_cli_backend_flag_picks_the_forward_and_keeps_the_output(saved, capsys, 
 
     loaded: list[type] = []
 
-    def recording_load(path, options, use):
-        backend = load_backend(path, options, use)
+    def recording_load(path, options, use, **keywords):
+        backend = load_backend(path, options, use, **keywords)
         loaded.append(type(backend))
         return backend
 

@@ -59,8 +59,10 @@ NOT_RUN = {
     "make test": "runs this test suite",
     "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu": "installs packages",
     "pip install '.[all,llama-cpp]'": "installs packages",
-    "specdecode bench -t 1 --runs 2 --prompts-per-task 2 --sweep 2,4,8,16 --spec-draft-p-min 0.3 "
-    "--spec-draft-n-max 6 --out full": "the full benchmark: 9 minutes",
+    "make llama-tools": "builds llama.cpp's programs: minutes",
+    "specdecode export --engines llama.cpp --gguf-type q8_0 --out q8": "the comparison's files",
+    "python -m specdecode.compare.llama_tools --target q8/llama.cpp/target.gguf --draft "
+    "q8/llama.cpp/draft.gguf --raw -n 128 --rounds 2": "the comparison: llama.cpp's programs, 5 minutes",
 }
 
 PLACEHOLDERS = ("path/to/model", "path/to/draft")  # in bundled_pair()'s order: target, draft

@@ -49,7 +49,7 @@ def support(probs: torch.Tensor) -> set[int]:
         ("temperature", math.nan),
         ("temperature", math.inf),
         ("temperature", -math.inf),
-        ("top_k", -1),
+        ("top_k", -2),  # -1 is vLLM's "no top-k"
         ("top_p", 0.0),
         ("top_p", -0.1),
         ("top_p", 1.0000001),

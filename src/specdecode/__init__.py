@@ -29,6 +29,7 @@ _HOMES = {
     "Sampler": "specdecode.sampling",
     "SamplingParams": "specdecode.config",
     "SpecdecodeError": "specdecode.errors",
+    "SpeculationVerdict": "specdecode.stats",
     "Strategy": "specdecode.strategies",
     "StrategyStats": "specdecode.stats",
     "SuffixConfig": "specdecode.config",
@@ -52,7 +53,7 @@ if TYPE_CHECKING:  # what type checkers and editors read, since they do not run 
     from specdecode.errors import SpecdecodeError
     from specdecode.generate import Chunk, Generation, GenerationConfig
     from specdecode.sampling import Sampler
-    from specdecode.stats import GenerationStats, StrategyStats
+    from specdecode.stats import GenerationStats, SpeculationVerdict, StrategyStats
     from specdecode.strategies import Draft, Strategy
 
 __all__ = [
@@ -74,6 +75,7 @@ __all__ = [
     "Sampler",
     "SamplingParams",
     "SpecdecodeError",
+    "SpeculationVerdict",
     "Strategy",
     "StrategyStats",
     "SuffixConfig",

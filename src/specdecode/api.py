@@ -28,16 +28,23 @@ from typing import TYPE_CHECKING, Any, Unpack, overload
 from specdecode.backends import Backend
 from specdecode.backends.gather import DraftPasses, GatheredBackend, GatheredHead
 from specdecode.backends.hf_gguf import Use
-from specdecode.backends.load import backend_from_model, check_not_hub_id, load_backend
+from specdecode.backends.load import backend_from_model, check_model_path, check_not_hub_id, load_backend
 from specdecode.backends.options import LoadOptions
 from specdecode.chain import Chain
-from specdecode.config import PRIORITY, SPEC_TYPE_ALIASES, DraftModelConfig, NgramSettings
+from specdecode.config import (
+    NEEDS_DRAFT,
+    NEEDS_HEAD,
+    PRIORITY,
+    SPEC_TYPE_ALIASES,
+    DraftModelConfig,
+    NgramSettings,
+)
 from specdecode.constraints import Constraint, ConstraintSpec
 from specdecode.costs import BATCH_CALIBRATION_ROWS, calibrate
 from specdecode.defaults import bundled_eagle3, bundled_pair
 from specdecode.errors import SpecdecodeError
 from specdecode.generate import Generation, GenerationConfig, chars_per_token, check_room, check_text_room
-from specdecode.keywords import GenerateKeywords, Prompt, is_batch, settings_from
+from specdecode.keywords import GenerateKeywords, Prompt, check_keywords, is_batch, settings_from
 from specdecode.policy import AdaptivePolicy, PolicyModels, check_policy
 from specdecode.sampling import Sampler, SamplingParams
 from specdecode.scheduler import BatchEngine, Entry, LoadRule
@@ -116,9 +123,9 @@ class Pipeline:
         self.replacements = replacements
         self.translator = self._translator(replacements)
         if "draft" in self.spec_types and draft is None:
-            raise SpecdecodeError("--spec-type draft-simple needs a draft model (-md DIR)")
+            raise SpecdecodeError(NEEDS_DRAFT)
         if "eagle3" in self.spec_types and eagle3 is None:
-            raise SpecdecodeError("--spec-type draft-eagle3 needs an EAGLE-3 head (-me DIR)")
+            raise SpecdecodeError(NEEDS_HEAD)
         self.shared = shared if shared is not None else SharedState(ngram, self.spec_types, target.vocab.size)
         self.spec_policy = check_policy(spec_policy)
         self.policy_models = None
@@ -161,7 +168,8 @@ class Pipeline:
         speculative_config: the strategy in vLLM's terms instead of draft/eagle3/spec_types
         (see `SpeculativeChoice`).
         progress: called with a line as each start-up phase begins (loading each model, timing
-        the target for the adaptive policy), for a command to show.
+        the target for the adaptive policy; for a GGUF file on llama.cpp, its row probe and,
+        when first asked for, its tokenizer), for a command to show.
         settings: the pipeline's own (spec_types, draft_config, ngram, spec_policy, ...)."""
         say = progress or _silent
         choice = None
@@ -183,6 +191,11 @@ class Pipeline:
             model, draft, eagle3 = _with_bundled(draft, eagle3, settings.get("spec_types"))
         if choice is not None:
             choice.check_model(draft if choice.spec_type == "draft" else eagle3)
+        for source in (model, draft):  # a missing draft is said before the target loads
+            if _is_path(source):
+                check_model_path(source)
+        if eagle3 is not None:
+            check_not_hub_id(eagle3)  # heads are published on the Hub too
         # a head's target may not go where auto runs other targets (see specdecode.backends.hf_gguf)
         use: Use = "hidden" if eagle3 is not None else "target"
         target = _load_model(model, tokenizer, target_options, "target", say, use)
@@ -193,7 +206,6 @@ class Pipeline:
             draft_backend = _load_model(draft, draft_tokenizer, draft_options, "draft", say, "draft")
         head = None
         if eagle3 is not None:
-            check_not_hub_id(eagle3)  # heads are published on the Hub too
             say(f"loading the EAGLE-3 head from {eagle3}")
             head = load_head(eagle3, target, eagle3_layer_offset)
         return cls(target, draft_backend, eagle3=head, progress=progress, **settings)
@@ -337,9 +349,11 @@ class Pipeline:
 
         sampling, config: as objects, or as keywords (`GenerateKeywords`), not both; neither:
         greedy, 128 tokens at most."""
+        check_keywords(keywords, "generate")  # a mistake is reported from the method called
         if is_batch(prompt):
             return self.generate_batch(prompt, sampling, config, constraint=constraint, **keywords)
-        run = self.stream(prompt, sampling, config, constraint=constraint, **keywords)
+        sampling, config = settings_from(sampling, config, keywords, "generate")
+        run = self.stream(prompt, sampling, config, constraint=constraint)
         for _ in run:
             pass
         return Result(run.text, run.tokens, run.stats)
@@ -370,17 +384,17 @@ class Pipeline:
         if max_sequences < 1:
             raise SpecdecodeError(f"max_sequences must be >= 1, not {max_sequences}")
         if isinstance(sampling, SamplingParams):
-            samplings = [sampling] * len(prompts)
-        else:
-            samplings = list(sampling)
+            samplings, configs = [sampling] * len(prompts), [config] * len(prompts)
+        else:  # one config per SamplingParams: each may set its own max_tokens, stop, ignore_eos
+            samplings, configs = sampling, config
             if len(samplings) != len(prompts):
                 raise SpecdecodeError(f"{len(prompts)} prompts but {len(samplings)} sampling settings")
-        for prompt in prompts:  # every text measured before any is tokenized
-            if isinstance(prompt, str):
-                self.check_text(prompt, config)
+        for prompt, each in zip(prompts, configs, strict=True):  # every text measured before any is
+            if isinstance(prompt, str):  # tokenized
+                self.check_text(prompt, each)
         encoded = [self.encode(prompt) for prompt in prompts]
-        for ids in encoded:  # every request checked before any work
-            check_room(ids, -1 if config.context_shift else config.n_predict, self.target.n_ctx)
+        for ids, each in zip(encoded, configs, strict=True):  # every request checked before any work
+            check_room(ids, -1 if each.context_shift else each.n_predict, self.target.n_ctx)
         passes, seats = self._seats(min(max_sequences, len(prompts)))
         engine = BatchEngine(
             self.load_rule() if load_rule else None,
@@ -391,7 +405,7 @@ class Pipeline:
         results: list[Result | None] = [None] * len(prompts)
 
         def start(seat: Pipeline, index: int) -> Generation:
-            return seat.stream(encoded[index], samplings[index], config, constraint=constraint)
+            return seat.stream(encoded[index], samplings[index], configs[index], constraint=constraint)
 
         def done(index: int, entry: Entry) -> None:
             if entry.error is not None:
@@ -434,7 +448,7 @@ class Pipeline:
             raise SpecdecodeError(
                 f"the draft model's vocabulary does not match the target's: {difference}. "
                 "Use a draft trained with the target's tokenizer, or ask for translation through text "
-                "with --spec-replace TARGET DRAFT."
+                "with replacements=[(TARGET, DRAFT), ...] (--spec-replace TARGET DRAFT; [] for none)."
             )
         return VocabTranslator(self.target, self.draft, replacements)
 
@@ -487,7 +501,7 @@ def _load_model(
             f"{argument}= goes with a model in memory: the {role} model {source} is read with its own"
         )
     say(f"loading the {role} model from {source}")
-    return load_backend(source, options, use)
+    return load_backend(source, options, use, progress=say)
 
 
 def strategy_names(names: Sequence[str]) -> list[str]:

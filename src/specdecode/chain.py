@@ -63,6 +63,7 @@ class Chain:
         self._last: int | None = None  # index of the strategy whose draft is being verified
         self._failed: set[int] = set()  # strategies that raised: not called again
         self._step: _Step | None = None  # the adaptive policy's record of this step's drafting
+        self.n_max = 0  # the longest draft a step has asked for (`specdecode.verdicts` prices it)
 
     def __bool__(self) -> bool:
         return bool(self.strategies)
@@ -92,6 +93,7 @@ class Chain:
         n_nodes nodes; empty if none. With a policy: the draft it chooses for a pass that also
         holds `load` (a batch's other sequences), or none."""
         self._last = None
+        self.n_max = max(self.n_max, n_max)
         if self.policy is not None:
             self.policy.load = load
             return self._draft_adaptive(self.policy, history, last, n_max, n_nodes)
@@ -112,6 +114,7 @@ class Chain:
             draft = self.constraint.prune(draft)
         self.stats[index].t_draft += time.perf_counter() - start
         self.stats[index].n_call_draft += 1
+        self.stats[index].n_offered += bool(draft.tokens)
         return draft
 
     def _chosen(self, index: int, draft: Draft) -> Draft:

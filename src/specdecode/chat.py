@@ -12,8 +12,11 @@ Light on purpose: the command line builds its flags from here before torch loads
 from __future__ import annotations
 
 import argparse
+import json
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from specdecode.errors import SpecdecodeError, read_text_file
@@ -83,6 +86,46 @@ def prompt_ids(
     return encode_rendered(tokenizer, render(tokenizer, messages, template))
 
 
+def no_template(model: str) -> SpecdecodeError:
+    return SpecdecodeError(
+        f"{model} has no chat template: give one with --chat-template-file FILE (a Jinja template)"
+    )
+
+
+def stored_template(path: str | os.PathLike) -> bool | None:
+    """Whether a model on disk carries a chat template, read from its files in a fraction of a
+    second, without loading it or transformers: a GGUF file's `tokenizer.chat_template`; a
+    directory's chat_template.jinja, chat_template.json or tokenizer_config.json
+    `chat_template` (a list of named templates counts where one is "default", as `own_template`
+    reads it). None where the files do not tell (no GGUF magic, no tokenizer_config.json, a
+    file that does not parse): the tokenizer decides once it is read."""
+    from specdecode.gguf_header import chat_template
+
+    path = Path(path)
+    if path.is_file():
+        try:
+            return chat_template(path) is not None
+        except SpecdecodeError:  # not a GGUF file, or a damaged one: loading it says which
+            return None
+    if not path.is_dir():
+        return None
+    if (path / "chat_template.jinja").is_file():
+        return True
+    for name in ("chat_template.json", "tokenizer_config.json"):
+        if not (path / name).is_file():
+            continue
+        try:
+            stored = json.loads((path / name).read_text(encoding="utf-8")).get("chat_template")
+        except (OSError, ValueError, AttributeError):  # AttributeError: JSON but not an object
+            return None
+        if isinstance(stored, list):  # named templates: [{"name": ..., "template": ...}, ...]
+            named = {t.get("name"): t.get("template") for t in stored if isinstance(t, dict)}
+            stored = named.get("default")
+        if isinstance(stored, str) and stored:
+            return True
+    return False if (path / "tokenizer_config.json").is_file() else None
+
+
 @dataclass(frozen=True)
 class ChatPrompt:
     """How the command line turns a plain prompt into a chat: the prompt is the user's message,
@@ -99,23 +142,37 @@ class ChatPrompt:
         roles = ("user", "assistant")
         return [*system, *({"role": roles[i % 2], "content": turn} for i, turn in enumerate(turns))]
 
+    def check(self, tokenizer: PreTrainedTokenizerBase, model: str) -> None:
+        """An error for a model without a template when none is given."""
+        if self.template is None and own_template(tokenizer) is None:
+            raise no_template(model)
+
+    def check_files(self, path: str | os.PathLike, model: str) -> None:
+        """`check` from the model's files, before it loads (`stored_template`): a GGUF file's
+        metadata, a directory's tokenizer files. Where they do not tell, `check` decides once
+        the tokenizer is read."""
+        if self.template is None and stored_template(path) is False:
+            raise no_template(model)
+
     def text(self, tokenizer: PreTrainedTokenizerBase, user: str | Sequence[str], model: str) -> str:
         """The rendered prompt (of a message or a conversation, see `messages`); an error for a
-        model without a template when none is given, or a template that fails on the messages."""
-        if self.template is None and own_template(tokenizer) is None:
-            raise SpecdecodeError(
-                f"{model} has no chat template: give one with --chat-template-file FILE (a Jinja template)"
-            )
+        model without a template when none is given (`check`), or a template that fails on the
+        messages."""
+        self.check(tokenizer, model)
         return render(tokenizer, self.messages(user), self.template)
 
 
-def add_chat_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
-    """llama.cpp's chat flags (-cnv, -sys, --chat-template-file)."""
+def add_chat_args(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup, conversation: bool = False
+) -> None:
+    """llama.cpp's chat flags (-cnv, -sys, --chat-template-file); conversation: the command
+    holds a conversation when -cnv comes with no prompt (generate)."""
+    more = "; with no prompt and a terminal, a conversation (/exit ends it)" if conversation else ""
     parser.add_argument(
         "-cnv",
         "--chat",
         action="store_true",
-        help="the prompt is a user's message: render it through the model's chat template",
+        help=f"the prompt is a user's message: render it through the model's chat template{more}",
     )
     parser.add_argument("-sys", "--system-prompt", metavar="TEXT", help="--chat: a system message first")
     parser.add_argument(

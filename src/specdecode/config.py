@@ -9,7 +9,9 @@ here, and it stays importable from them (`specdecode.sampling.SamplingParams`,
 
 from __future__ import annotations
 
+import difflib
 import math
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -52,6 +54,15 @@ PRIORITY = (
 # by older llama.cpp), which --spec-type accepts too.
 SPEC_TYPE_ALIASES = {"draft-simple": "draft", "draft-eagle3": "eagle3"}
 SPEC_TYPE_NAMES = {inside: outside for outside, inside in SPEC_TYPE_ALIASES.items()}
+# What a pipeline that asks for a model drafter without its model is told, in the library's
+# terms and the command's.
+NEEDS_DRAFT = (
+    'the draft strategy (spec_types "draft", --spec-type draft-simple) needs a draft model: draft= (-md DIR)'
+)
+NEEDS_HEAD = (
+    'the eagle3 strategy (spec_types "eagle3", --spec-type draft-eagle3) needs an EAGLE-3 head: '
+    "eagle3= (-me DIR)"
+)
 
 
 def spec_type_name(name: str) -> str:
@@ -76,30 +87,164 @@ def parse_spec_types(text: str) -> list[str]:
     return [name for name in PRIORITY if name in names]
 
 
-@dataclass(frozen=True)
+# The keywords other libraries' habits bring that this package has no setting for, and what to
+# do instead: Hugging Face's generate and GenerationConfig, vLLM's SamplingParams.
+NOT_OFFERED = {
+    **dict.fromkeys(
+        ("n", "best_of", "num_return_sequences"),
+        "several answers to one prompt: give the prompt several times in a list, each with its own seed",
+    ),
+    **dict.fromkeys(
+        ("num_beams", "use_beam_search", "length_penalty", "early_stopping"),
+        "beam search is not offered: generation samples (or decodes greedily) token by token",
+    ),
+    **dict.fromkeys(
+        ("logprobs", "prompt_logprobs", "output_scores", "output_logits", "return_dict_in_generate"),
+        "token probabilities are not returned by the library (the server's logprobs and n_probs give them)",
+    ),
+    **dict.fromkeys(
+        ("min_tokens", "min_new_tokens", "min_length"),
+        "a least length is not offered: ignore_eos=True goes on past end-of-generation tokens",
+    ),
+    "max_length": "it counts the prompt too: max_new_tokens (or max_tokens, n_predict) counts the new tokens",
+    **dict.fromkeys(
+        ("stop_token_ids", "eos_token_id", "stop_strings"),
+        "stop= takes the strings that end the text",
+    ),
+    **dict.fromkeys(
+        ("bad_words", "bad_words_ids", "allowed_token_ids"),
+        "logit_bias={token_id: -math.inf} keeps a token out; constraint= restricts the output",
+    ),
+    **dict.fromkeys(
+        ("guided_decoding", "structured_outputs", "guided_json", "guided_regex", "guided_grammar"),
+        'constraint=ConstraintSpec("json_schema" | "regex" | "grammar", text) restricts the output',
+    ),
+}
+
+
+def unexpected_keyword(caller: str, name: str, known: Iterable[str]) -> TypeError:
+    """Python's error for a keyword `caller` does not take, saying what to do instead where
+    another library's habit brought it, else naming the closest keyword it takes."""
+    message = f"{caller}() got an unexpected keyword argument {name!r}"
+    if name in NOT_OFFERED:
+        return TypeError(f"{message}: {NOT_OFFERED[name]}")
+    close = difflib.get_close_matches(name, list(known), n=1)
+    return TypeError(message + (f" (did you mean {close[0]!r}?)" if close else ""))
+
+
+def one_length(lengths: Mapping[str, int | None]) -> int | None:
+    """The most tokens to generate from its spellings (max_new_tokens, max_tokens, n_predict),
+    those given as None left out: None if none is given, an error if two disagree."""
+    given = {name: value for name, value in lengths.items() if value is not None}
+    if len(set(given.values())) > 1:
+        spelled = " and ".join(f"{name}={value}" for name, value in given.items())
+        raise SpecdecodeError(f"{spelled} disagree: give the most tokens to generate once")
+    return next(iter(given.values()), None)
+
+
+@dataclass(frozen=True, init=False)
 class SamplingParams:
     """Sampling settings. temperature <= 0 means greedy, and is the default: a library call
     that names no temperature decodes greedily, as Hugging Face's `generate` does, so that the
     same call gives the same text (and speculation pays most). The other defaults are
-    llama.cpp's, as is the command line's temperature 0.8."""
+    llama.cpp's, as is the command line's temperature 0.8.
 
-    temperature: float = 0.0
-    top_k: int = 40
-    top_p: float = 0.95
-    min_p: float = 0.05
-    repeat_penalty: float = 1.0
-    repeat_last_n: int = 64
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int | None = None
+    It takes vLLM's and Hugging Face's spellings too (see `__init__`), and, as vLLM's does, the
+    generation's max_tokens, stop and ignore_eos, which `Pipeline.generate` honours as it
+    honours `GenerationConfig`'s (None: not set here)."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    repeat_penalty: float
+    repeat_last_n: int
+    presence_penalty: float
+    frequency_penalty: float
+    seed: int | None
     # (token id, bias) pairs added to the logits before anything else (OpenAI's logit_bias);
     # -inf keeps a token out
-    logit_bias: tuple[tuple[int, float], ...] = ()
+    logit_bias: tuple[tuple[int, float], ...]
+    max_tokens: int | None
+    stop: tuple[str, ...] | None
+    ignore_eos: bool | None
 
-    def __post_init__(self) -> None:
+    def __init__(
+        self,
+        temperature: float | None = None,
+        top_k: int = 40,
+        top_p: float = 0.95,
+        min_p: float = 0.05,
+        repeat_penalty: float | None = None,
+        repeat_last_n: int | None = None,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        seed: int | None = None,
+        logit_bias: Iterable[tuple[int, float]] | Mapping[int, float] = (),
+        max_tokens: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        ignore_eos: bool | None = None,
+        *,
+        repetition_penalty: float | None = None,
+        do_sample: bool | None = None,
+        max_new_tokens: int | None = None,
+        n_predict: int | None = None,
+        **other: object,
+    ) -> None:
+        """temperature: None is greedy (0), or 1 with do_sample=True.
+        top_k: 0 (or vLLM's -1) disables it.
+        repeat_penalty, repeat_last_n: llama.cpp's penalty over the last 64 tokens by default;
+        repetition_penalty (Hugging Face's and vLLM's name) penalises as they do, over the whole
+        context (repeat_last_n -1 unless given).
+        logit_bias: (token id, bias) pairs, or vLLM's and OpenAI's {token id: bias}.
+        do_sample: Hugging Face's switch: False decodes greedily whatever the temperature, True
+        samples (at temperature 1 unless one is given).
+        max_tokens (also max_new_tokens, n_predict), stop, ignore_eos: the generation's, as in
+        vLLM's SamplingParams; None leaves them to `GenerationConfig`."""
+        if other:
+            raise unexpected_keyword("SamplingParams", next(iter(other)), self.keywords())
+        if repetition_penalty is not None:
+            if repeat_penalty is not None and repeat_penalty != repetition_penalty:
+                raise SpecdecodeError(
+                    f"repeat_penalty={repeat_penalty} and repetition_penalty={repetition_penalty} "
+                    "disagree: give the penalty once"
+                )
+            repeat_penalty = repetition_penalty
+            repeat_last_n = -1 if repeat_last_n is None else repeat_last_n
+        if do_sample is False:
+            temperature = 0.0
+        elif do_sample is True:
+            temperature = 1.0 if temperature is None else temperature
+            if temperature <= 0:
+                raise SpecdecodeError(
+                    f"do_sample=True samples: it needs a temperature > 0, not {temperature}"
+                )
+        pairs = logit_bias.items() if isinstance(logit_bias, Mapping) else logit_bias
+        values = {
+            "temperature": 0.0 if temperature is None else temperature,
+            "top_k": 0 if top_k == -1 else top_k,
+            "top_p": top_p,
+            "min_p": min_p,
+            "repeat_penalty": 1.0 if repeat_penalty is None else repeat_penalty,
+            "repeat_last_n": 64 if repeat_last_n is None else repeat_last_n,
+            "presence_penalty": presence_penalty,
+            "frequency_penalty": frequency_penalty,
+            "seed": seed,
+            "logit_bias": tuple((token, bias) for token, bias in pairs),
+            "max_tokens": one_length(
+                {"max_tokens": max_tokens, "max_new_tokens": max_new_tokens, "n_predict": n_predict}
+            ),
+            "stop": (stop,) if isinstance(stop, str) else None if stop is None else tuple(stop),
+            "ignore_eos": ignore_eos,
+        }
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
+        self._check()
+
+    def _check(self) -> None:
         checks = [
             (math.isfinite(self.temperature), "temperature must be a finite number"),
-            (self.top_k >= 0, "top_k must be >= 0 (0 disables it)"),
+            (self.top_k >= 0, "top_k must be >= 0 (0 or -1 disables it)"),
             (0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]"),
             (0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]"),
             (self.repeat_penalty > 0.0, "repeat_penalty must be > 0 (1 disables it)"),
@@ -111,10 +256,24 @@ class SamplingParams:
                 all(id >= 0 and (math.isfinite(bias) or bias == -math.inf) for id, bias in self.logit_bias),
                 "logit_bias takes token ids >= 0 and biases that are numbers or -inf",
             ),
+            (
+                self.max_tokens is None or self.max_tokens == -1 or self.max_tokens >= 1,
+                "max_tokens must be >= 1, or -1 for no limit",
+            ),
+            (
+                self.stop is None or all(isinstance(text, str) for text in self.stop),
+                f"stop strings must be strings, not {self.stop!r}",
+            ),
         ]
         for ok, message in checks:
             if not ok:
                 raise SpecdecodeError(message)
+
+    @staticmethod
+    def keywords() -> tuple[str, ...]:
+        """The names the constructor takes: the fields and the other libraries' spellings."""
+        code = SamplingParams.__init__.__code__
+        return code.co_varnames[1 : code.co_argcount + code.co_kwonlyargcount]
 
     @property
     def greedy(self) -> bool:
@@ -147,19 +306,19 @@ class DraftModelConfig:
 
     def __post_init__(self) -> None:
         if self.n_max < 1:
-            raise SpecdecodeError("--spec-draft-n-max (--draft-max) must be >= 1")
+            raise SpecdecodeError("draft n_max (--spec-draft-n-max, --draft-max) must be >= 1")
         if self.n_min < 0:
-            raise SpecdecodeError("--spec-draft-n-min (--draft-min) must be >= 0")
+            raise SpecdecodeError("draft n_min (--spec-draft-n-min, --draft-min) must be >= 0")
         if not 0.0 <= self.p_min <= 1.0:
-            raise SpecdecodeError("--spec-draft-p-min (--draft-p-min) must be in [0, 1]")
+            raise SpecdecodeError("draft p_min (--spec-draft-p-min, --draft-p-min) must be in [0, 1]")
         if not 0.0 <= self.p_split <= 1.0:
-            raise SpecdecodeError("--spec-draft-p-split (--draft-p-split) must be in [0, 1]")
+            raise SpecdecodeError("draft p_split (--spec-draft-p-split, --draft-p-split) must be in [0, 1]")
         if self.n_parallel < 1:
-            raise SpecdecodeError("--draft-n-parallel must be >= 1")
+            raise SpecdecodeError("draft n_parallel (--draft-n-parallel) must be >= 1")
         if self.tree_tokens < 0:
-            raise SpecdecodeError("--draft-tree-tokens must be >= 0 (0: a chain)")
+            raise SpecdecodeError("draft tree_tokens (--draft-tree-tokens) must be >= 0 (0: a chain)")
         if self.tree_topk < 1:
-            raise SpecdecodeError("--draft-tree-topk must be >= 1")
+            raise SpecdecodeError("draft tree_topk (--draft-tree-topk) must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -205,11 +364,17 @@ class SuffixConfig:
 
     def __post_init__(self) -> None:
         checks = [
-            (1 <= self.max_depth <= 256, "--spec-suffix-max-depth must be in 1..256"),
-            (math.isfinite(self.factor) and self.factor > 0.0, "--spec-suffix-factor must be > 0"),
-            (0.0 <= self.min_prob <= 1.0, "--spec-suffix-min-prob must be in [0, 1]"),
-            (1 <= self.max_nodes <= 1024, "--spec-suffix-max-nodes must be in 1..1024"),
-            (math.isfinite(self.cache_mb) and self.cache_mb >= 0.0, "--spec-suffix-cache-mb must be >= 0"),
+            (1 <= self.max_depth <= 256, "suffix max_depth (--spec-suffix-max-depth) must be in 1..256"),
+            (
+                math.isfinite(self.factor) and self.factor > 0.0,
+                "suffix factor (--spec-suffix-factor) must be > 0",
+            ),
+            (0.0 <= self.min_prob <= 1.0, "suffix min_prob (--spec-suffix-min-prob) must be in [0, 1]"),
+            (1 <= self.max_nodes <= 1024, "suffix max_nodes (--spec-suffix-max-nodes) must be in 1..1024"),
+            (
+                math.isfinite(self.cache_mb) and self.cache_mb >= 0.0,
+                "suffix cache_mb (--spec-suffix-cache-mb) must be >= 0",
+            ),
         ]
         for ok, message in checks:
             if not ok:

@@ -40,6 +40,7 @@ from specdecode.errors import SpecdecodeError
 from specdecode.sampling import NO_TOKEN, Sampler
 from specdecode.stats import GenerationStats
 from specdecode.text import TextAssembler
+from specdecode.verdicts import generation_verdicts
 from specdecode.verify import VERIFY_MODES, Verdict, verify_match, verify_rejection
 
 # A normalizer may merge characters before tokenizing (NFC/NFKC compose up to 3 into one).
@@ -233,10 +234,15 @@ class Generation:
             room, depth = min(room, max_draft), min(depth, max_draft)
         # llama.cpp: drafts kept to the pass sizes whose rows its probe found bit-identical
         exact_room = getattr(self.target, "draft_room", None)
-        if exact_room is not None and (cap := exact_room()) is not None:
+        cap = exact_room() if exact_room is not None and self.chain else None
+        binds = cap is not None and cap < depth
+        if cap is not None:
+            self.stats.draft_cap = max(self.stats.draft_cap or 0, cap)
             room, depth = min(room, cap), min(depth, cap)
         start = time.perf_counter()
         draft = self.chain.draft(history, last, depth, room, load) if self.chain and depth > 0 else Draft()
+        if binds and len(draft.tokens) >= cap:  # the cap cut it short (or, at 0, left it out)
+            self.stats.n_capped += 1
         if not getattr(self.target, "takes_trees", True):
             # A target that scores chains only verifies a tree's preferred path: each of its
             # nodes is its parent's first child, drawn from the full q its row carries.
@@ -313,6 +319,7 @@ class Generation:
         if self.constraint is not None:
             self.stats.t_grammar, self.stats.n_masks = self.constraint.t_mask, self.constraint.n_masks
         self.stats.stop_reason = self.stats.stop_reason or "abandoned"
+        self.stats.verdicts = generation_verdicts(self.stats, self.chain)
         self.chain.end()
 
     def _keep(self, history: list[int], last: int, draft: Draft, path: list[int]) -> None:

@@ -8,11 +8,12 @@ model and runs no pass.
 
 from __future__ import annotations
 
-import difflib
 import numbers
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import fields, replace
 from typing import Any, TypedDict
 
+from specdecode.config import one_length, unexpected_keyword
 from specdecode.errors import SpecdecodeError
 from specdecode.generate import GenerationConfig
 from specdecode.sampling import SamplingParams
@@ -21,12 +22,14 @@ Prompt = str | Sequence[int]  # text, or token ids
 
 
 class GenerateKeywords(TypedDict, total=False):
-    """Settings `generate`, `stream` and `generate_batch` take as keywords instead of objects.
+    """Settings `generate`, `stream` and `generate_batch` take as keywords instead of objects:
+    every keyword `SamplingParams` and `GenerationConfig` take (Hugging Face's and vLLM's
+    spellings among them).
 
     The most tokens to generate, in three spellings: max_new_tokens (Hugging Face's), max_tokens
     (vLLM's) or n_predict (llama.cpp's). do_sample (Hugging Face's): False decodes greedily
-    whatever the temperature, True samples (at temperature 1 unless one is given). The others
-    are `SamplingParams`' and `GenerationConfig`'s fields of the same names."""
+    whatever the temperature, True samples (at temperature 1 unless one is given).
+    repetition_penalty (Hugging Face's and vLLM's): repeat_penalty over the whole context."""
 
     max_new_tokens: int
     max_tokens: int
@@ -35,15 +38,31 @@ class GenerateKeywords(TypedDict, total=False):
     top_k: int
     top_p: float
     min_p: float
+    repeat_penalty: float
+    repetition_penalty: float
+    repeat_last_n: int
+    presence_penalty: float
+    frequency_penalty: float
     seed: int
+    logit_bias: Sequence[tuple[int, float]] | Mapping[int, float]
     do_sample: bool
     stop: str | Sequence[str]
     ignore_eos: bool
+    verify: str
+    context_shift: bool
+    n_keep: int
+    n_discard: int
 
 
-SAMPLING_KEYWORDS = ("temperature", "top_k", "top_p", "min_p", "seed", "do_sample")
 LENGTH_KEYWORDS = ("max_new_tokens", "max_tokens", "n_predict")
-CONFIG_KEYWORDS = (*LENGTH_KEYWORDS, "stop", "ignore_eos")
+# What the generation's config takes; the sampling keywords are the rest of SamplingParams'.
+CONFIG_KEYWORDS = (
+    *LENGTH_KEYWORDS,
+    *(field.name for field in fields(GenerationConfig) if field.name != "n_predict"),
+)
+SAMPLING_KEYWORDS = tuple(name for name in SamplingParams.keywords() if name not in CONFIG_KEYWORDS)
+# SamplingParams' settings of the generation (vLLM's) -> GenerationConfig's names for them
+SAMPLING_CONFIG = {"max_tokens": "n_predict", "stop": "stop", "ignore_eos": "ignore_eos"}
 
 
 def is_batch(prompt: Prompt | Sequence[Prompt]) -> bool:
@@ -66,16 +85,28 @@ def settings_from(
     config: GenerationConfig | None,
     keywords: Mapping[str, Any],
     caller: str,
-) -> tuple[SamplingParams | Sequence[SamplingParams], GenerationConfig]:
-    """The sampling and generation settings from objects or keywords (`GenerateKeywords`).
-    A keyword given as None counts as not given."""
-    unknown = [key for key in keywords if key not in (*SAMPLING_KEYWORDS, *CONFIG_KEYWORDS)]
-    if unknown:
-        close = difflib.get_close_matches(unknown[0], (*SAMPLING_KEYWORDS, *CONFIG_KEYWORDS), n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise TypeError(f"{caller}() got an unexpected keyword argument {unknown[0]!r}{hint}")
+) -> tuple[SamplingParams, GenerationConfig] | tuple[list[SamplingParams], list[GenerationConfig]]:
+    """The sampling and generation settings from objects or keywords (`GenerateKeywords`):
+    one of each, or for a list of SamplingParams a list of configs, one each, since each may
+    set its own max_tokens, stop and ignore_eos. A keyword given as None counts as not given.
+
+    caller: the method the user called, which a keyword it does not take is reported from."""
+    check_keywords(keywords, caller)
     given = {key: value for key, value in keywords.items() if value is not None}
-    return _sampling_from(sampling, given), _config_from(config, given)
+    sampling = _sampling_from(sampling, given)
+    config, explicit = _config_from(config, given)
+    if isinstance(sampling, SamplingParams):
+        return sampling, _with_sampling(config, explicit, sampling)
+    samplings = list(sampling)
+    return samplings, [_with_sampling(config, explicit, one) for one in samplings]
+
+
+def check_keywords(keywords: Iterable[str], caller: str) -> None:
+    """Python's TypeError for a keyword no setting takes, reported from `caller`, the method the
+    user called, with what to give instead."""
+    for key in keywords:
+        if key not in (*SAMPLING_KEYWORDS, *CONFIG_KEYWORDS):
+            raise unexpected_keyword(caller, key, (*SAMPLING_KEYWORDS, *CONFIG_KEYWORDS))
 
 
 def _given_twice(kind: str, names: Sequence[str]) -> SpecdecodeError:
@@ -87,30 +118,45 @@ def _sampling_from(
     sampling: SamplingParams | Sequence[SamplingParams] | None, given: Mapping[str, Any]
 ) -> SamplingParams | Sequence[SamplingParams]:
     named = {key: value for key, value in given.items() if key in SAMPLING_KEYWORDS}
+    if isinstance(sampling, GenerationConfig):
+        raise SpecdecodeError("a GenerationConfig goes as config= (after the SamplingParams, or None)")
     if sampling is not None:
         if named:
             raise _given_twice("sampling settings", list(named))
         return sampling
-    do_sample = named.pop("do_sample", None)
-    if do_sample is False:  # Hugging Face's switch: greedy whatever the temperature
-        named["temperature"] = 0.0
-    elif do_sample is True:
-        temperature = named.setdefault("temperature", 1.0)  # Hugging Face's default temperature
-        if temperature <= 0:
-            raise SpecdecodeError(f"do_sample=True samples: it needs a temperature > 0, not {temperature}")
     return SamplingParams(**named)
 
 
-def _config_from(config: GenerationConfig | None, given: Mapping[str, Any]) -> GenerationConfig:
+def _config_from(
+    config: GenerationConfig | None, given: Mapping[str, Any]
+) -> tuple[GenerationConfig, set[str]]:
+    """The generation's config, and the names of its settings the caller gave (all of them for
+    an object), which a SamplingParams may not set otherwise."""
     named = {key: value for key, value in given.items() if key in CONFIG_KEYWORDS}
     if config is not None:
         if named:
             raise _given_twice("generation settings", list(named))
-        return config
-    lengths = {key: named.pop(key) for key in LENGTH_KEYWORDS if key in named}
-    if len(set(lengths.values())) > 1:
-        spelled = " and ".join(f"{key}={value}" for key, value in lengths.items())
-        raise SpecdecodeError(f"{spelled} disagree: give the most tokens to generate once")
-    if lengths:
-        named["n_predict"] = next(iter(lengths.values()))
-    return GenerationConfig(**named)
+        return config, {field.name for field in fields(GenerationConfig)}
+    length = one_length({key: named.pop(key) for key in LENGTH_KEYWORDS if key in named})
+    if length is not None:
+        named["n_predict"] = length
+    return GenerationConfig(**named), set(named)
+
+
+def _with_sampling(
+    config: GenerationConfig, explicit: set[str], sampling: SamplingParams
+) -> GenerationConfig:
+    """`config` with what `sampling` sets of the generation (max_tokens, stop, ignore_eos);
+    an error where the caller gave the config another value."""
+    changes = {}
+    for theirs, ours in SAMPLING_CONFIG.items():
+        value = getattr(sampling, theirs)
+        if value is None:
+            continue
+        if ours in explicit and getattr(config, ours) != value:
+            raise SpecdecodeError(
+                f"SamplingParams({theirs}={value!r}) and the generation's {ours}={getattr(config, ours)!r} "
+                "disagree: give it once"
+            )
+        changes[ours] = value
+    return replace(config, **changes) if changes else config

@@ -73,7 +73,9 @@ PROBE_NODES = 4  # most tokens (tree nodes) a probe drafts: enough to tell wheth
 
 def check_policy(name: str) -> str:
     if name not in SPEC_POLICIES:
-        raise SpecdecodeError(f"unknown --spec-policy {name!r} (choose from {', '.join(SPEC_POLICIES)})")
+        raise SpecdecodeError(
+            f"unknown spec_policy {name!r} (--spec-policy; choose from {', '.join(SPEC_POLICIES)})"
+        )
     return name
 
 

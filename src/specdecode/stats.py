@@ -81,10 +81,33 @@ class StrategyStats:
     n_gen_drafts: int = 0
     n_gen_tokens: int = 0
     n_failed: int = 0  # calls that raised (see `specdecode.chain`): the strategy then stops
+    n_offered: int = 0  # draft calls that gave a draft (the adaptive policy may pass it over)
     counts: DraftCounts = field(default_factory=DraftCounts)
     t_begin: float = 0.0
     t_draft: float = 0.0
     t_accept: float = 0.0
+
+
+@dataclass
+class SpeculationVerdict:
+    """Why a generation drafted little or nothing, or had its drafts held short: without it a
+    user sees "drafted 0 tokens" and no reason. `code` is for programs (bench, /metrics),
+    `message` a sentence for people, `numbers` the measurements behind it, `remedy` the flag
+    that changes it, in words (empty where none does). Made by `specdecode.verdicts`."""
+
+    code: str
+    message: str
+    numbers: dict[str, float] = field(default_factory=dict)
+    remedy: str = ""
+
+    @property
+    def text(self) -> str:
+        """The message with its remedy: what the command line prints after "note: "."""
+        return f"{self.message} ({self.remedy})" if self.remedy else self.message
+
+    def to_dict(self) -> dict:
+        """Its fields and its `text`, as JSON carries it (generate --json, the server's /props)."""
+        return asdict(self) | {"text": self.text}
 
 
 @dataclass
@@ -104,6 +127,9 @@ class GenerationStats:
     n_context_shifts: int = 0  # times a full context dropped tokens to go on (context_shift)
     seed: int | None = None
     strategies: list[StrategyStats] = field(default_factory=list)
+    draft_cap: int | None = None  # the most draft tokens a step could carry for exactness (None: no cap)
+    n_capped: int = 0  # steps whose draft that cap cut short (or, at 0, left out)
+    verdicts: list[SpeculationVerdict] = field(default_factory=list)  # why drafting was little, or held short
 
     @property
     def tokens_per_pass(self) -> float:
@@ -138,6 +164,7 @@ class GenerationStats:
         )
         for strategy, data in zip(self.strategies, out["strategies"], strict=True):
             data["acceptance_rate"] = strategy.counts.acceptance_rate
+        out["verdicts"] = [verdict.to_dict() for verdict in self.verdicts]
         return out
 
     def format(self) -> str:

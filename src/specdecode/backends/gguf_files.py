@@ -29,6 +29,7 @@ import hashlib
 import json
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING
@@ -44,6 +45,7 @@ from specdecode.backends.native_weights import native_unsupported
 from specdecode.config import GGUF_FORMATS as FORMATS
 from specdecode.config import LLAMA_CPP_FORMATS
 from specdecode.errors import SpecdecodeError, require
+from specdecode.gguf_header import Field, read_metadata
 from specdecode.local import cache_dir
 
 if TYPE_CHECKING:
@@ -227,11 +229,14 @@ def dequantized_tensor(path: Path, name: str) -> torch.Tensor:
     return torch.from_numpy(np.array(data, dtype=np.float32).reshape(shape))
 
 
-def load_gguf_model(path: Path, dtype: torch.dtype, dense: bool = False):
+def load_gguf_model(
+    path: Path, dtype: torch.dtype, dense: bool = False, progress: Callable[[str], None] | None = None
+):
     """(model, tokenizer) from a GGUF file through transformers' loader (dequantized).
 
     dense: unpack every weight into a plain tensor even where transformers could keep it in
-    GGUF blocks for its matmul kernels, as a directory written from the model needs."""
+    GGUF blocks for its matmul kernels, as a directory written from the model needs.
+    progress: told before the tokenizer is built (`load_gguf_tokenizer`)."""
     _gguf()  # transformers' loader reads the file with it
     packing = {"quantization_config": GgufConfig(dequantize=True)} if dense else {}
     try:
@@ -242,31 +247,36 @@ def load_gguf_model(path: Path, dtype: torch.dtype, dense: bool = False):
         raise SpecdecodeError(
             f"cannot load {path} through transformers' GGUF loader: {_last_line(exc)}"
         ) from None
-    return model, load_gguf_tokenizer(path)
+    return model, load_gguf_tokenizer(path, progress)
 
 
 def tokenizer_cache_dir() -> Path:
     return cache_dir("gguf-tokenizers")
 
 
-def load_gguf_tokenizer(path: Path):
+def load_gguf_tokenizer(path: Path, progress: Callable[[str], None] | None = None):
     """The tokenizer a GGUF file describes, as transformers builds it (all `lookup` needs).
 
     transformers builds it from the vocabulary in Python, which takes minutes for a vocabulary of
     tens of thousands of tokens; so it is built once and kept under `tokenizer_cache_dir()`, keyed
     by the file's tokenizer metadata (a copy of the file, or another quantization of the same
-    model, finds it). An entry that cannot be read is built again and replaced, never an error."""
-    gguf = _gguf()
-    try:
-        reader = gguf.GGUFReader(path)
-        rows = len(reader.fields["tokenizer.ggml.tokens"].data)
-    except Exception as exc:  # the reader raises many types for a malformed file
-        raise SpecdecodeError(f"cannot read the tokenizer of {path}: {_last_line(exc)}") from None
-    entry = tokenizer_cache_dir() / _tokenizer_key(reader)
+    model, finds it). An entry that cannot be read is built again and replaced, never an error.
+    progress: told before a build, the long step (a start-up line)."""
+    fields = read_metadata(path)
+    tokens = fields.get("tokenizer.ggml.tokens")
+    if tokens is None:
+        raise SpecdecodeError(f"cannot read the tokenizer of {path}: it has no tokenizer.ggml.tokens")
+    entry = tokenizer_cache_dir() / _tokenizer_key(fields)
     cached = _read_cached_tokenizer(entry)
     if cached is not None:
         return cached
-    tokenizer = build_gguf_tokenizer(path, rows)
+    _gguf()  # transformers' converter reads the file with it
+    if progress is not None:
+        progress(
+            f"building {path.name}'s tokenizer from its {tokens.count} tokens with transformers "
+            "(once: it is kept for the next runs)"
+        )
+    tokenizer = build_gguf_tokenizer(path, tokens.count)
     _write_cached_tokenizer(tokenizer, entry)
     return tokenizer
 
@@ -281,15 +291,13 @@ def build_gguf_tokenizer(path: Path, rows: int):
     return _without_foreign_tokens(tokenizer, rows)
 
 
-def _tokenizer_key(reader: gguf.GGUFReader) -> str:
+def _tokenizer_key(fields: dict[str, Field]) -> str:
     """SHA-256 of everything the built tokenizer depends on: the file's tokenizer fields (their
     bytes as stored, name included), its architecture, and the converter (transformers' version)."""
     digest = hashlib.sha256(f"{TOKENIZER_CACHE_FORMAT} {transformers.__version__}".encode())
-    for name in sorted(reader.fields):
+    for name in sorted(fields):
         if name.startswith("tokenizer.") or name == "general.architecture":
-            field = reader.fields[name]
-            size = sum(part.nbytes for part in field.parts)
-            digest.update(reader.data[field.offset : field.offset + size].tobytes())
+            digest.update(fields[name].raw)
     return digest.hexdigest()
 
 

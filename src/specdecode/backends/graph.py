@@ -341,15 +341,13 @@ class GraphBackend(NativeBackend):
         (see the module docstring): any bucketed run; a fixed run that may draft trees."""
         if self.passes.fixed_rows is None:
             return (
-                f"{self.name} runs passes of power-of-two row counts (--passes bucketed), which may round a "
-                "row differently than a one-row pass: speculative output equals plain output up to "
-                "near-ties only (bit for bit: --passes fixed for chains, --passes invariant for trees too)"
+                f"{self.name} runs passes of power-of-two sizes (--passes bucketed): output can differ from "
+                "plain output where two tokens almost tie (exact: --passes fixed, or invariant for trees)"
             )
         if trees:
             return (
-                f"{self.name}'s tree nodes attend to their ancestors at scattered cache slots, summed in "
-                "another order than a chain's: output with trees equals plain output up to near-ties "
-                "only (chains are bit for bit; --passes invariant makes trees so too, at its cost)"
+                f"{self.name} adds up tree drafts in another order than chains: output can differ from "
+                "plain output where two tokens almost tie (exact: --passes invariant, at its cost)"
             )
         return None
 

@@ -115,8 +115,8 @@ class HFBackend:
         cpu_decided = options.dtype == "auto" and device.type == "cpu" and cls.half_precision_on_cpu
         if cpu_decided and _stored_dtype(config) == torch.bfloat16 and dtype == torch.float32:
             backend.dtype_note = (
-                f"{directory.name}: this CPU has no bf16 units: running its bfloat16 weights in float32 "
-                "(faster here than emulated bfloat16)"
+                f"{directory.name}: this CPU has no bf16 units, so its bfloat16 weights run in float32 "
+                "(faster here)"
             )
         return backend
 
@@ -300,7 +300,7 @@ class HFBackend:
         if self._tree_support:
             raise SpecdecodeError(
                 f"{self.name}: token trees need the native backend here ({self._tree_support}); "
-                "use a chain (the default) or --backend native"
+                'use a chain (the default) or the native backend (backend="native", --backend native)'
             )
 
     def _forward(self, chunk: Sequence[int], keep: int) -> torch.Tensor:

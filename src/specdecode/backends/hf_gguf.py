@@ -26,6 +26,14 @@ The file is `cache_dir("gguf-models")/<key>.<type>.gguf`, key a SHA-256 over the
 files (their contents, streamed) and the writer's format: a changed weight, config or tokenizer
 file writes a new one. Each file's SHA-256 is remembered by its path, size and modification
 time (`file-hashes.json`), so an unchanged directory is not read again.
+
+A copy is as big as the weights, so it is written only where it will be used: the tokenizer
+check and the row probe need the file, so a new one is written beside its place, checked
+there, and moved into place only if llama.cpp runs it; otherwise it is deleted and the verdict
+kept (`.tokenizer-differs`, `.rows-differ`), so that the next run writes nothing. Before
+writing, the load's progress callback is told where and how big; a copy that would take the
+cache past SPECDECODE_CACHE_LIMIT or fill its disk is not written (`specdecode.cache`): auto
+runs the directory on PyTorch and says why, `--backend llama.cpp` is an error.
 """
 
 from __future__ import annotations
@@ -37,13 +45,15 @@ import importlib.util
 import json
 import os
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
+from specdecode import cache
 from specdecode.backends.options import LoadOptions
 from specdecode.errors import SpecdecodeError, write_atomically
-from specdecode.local import cache_dir
+from specdecode.local import cache_dir, cpu_model, package_version
 
 if TYPE_CHECKING:
     from specdecode.backends.hf import HFBackend
@@ -54,12 +64,17 @@ if TYPE_CHECKING:
 Use = Literal["target", "draft", "hidden"]
 WRITER_FORMAT = 1  # of the cached files: a new format writes them again
 STORED_TYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}  # checkpoint dtype -> GGUF type
+TYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2}  # a weight's bytes in each
 GGUF_MODEL_TYPES = ("llama", "mistral")  # what `export_gguf` writes, as llama.cpp's "llama"
 TOKENIZER_SAMPLE = (
     "def read_lines(path, encoding='utf-8'):\n    return [line.rstrip('\\n') for line in open(path)]\n"
     "  Ünïcödé — 日本語, 12345 + 6.7e-8;\t\tx != y  \n\n"
 )
 HASH_CHUNK = 1 << 20
+ROWS_DIFFER = (
+    "llama.cpp's multi-row passes would change its output here "
+    "(--backend llama.cpp runs it anyway; see docs/gguf.md)"
+)
 
 
 def models_dir() -> Path:
@@ -71,10 +86,11 @@ def load_directory(
     options: LoadOptions,
     use: Use,
     pytorch: Callable[[Path, LoadOptions], HFBackend],
+    say: Callable[[str], None] | None = None,
 ) -> HFBackend | LlamaCppBackend:
     """The directory on llama.cpp where `options` and the rules above allow, else `pytorch`'s
     backend; either says in `backend_note` which backend auto chose and why, where llama.cpp
-    was a candidate."""
+    was a candidate. say: told where a GGUF copy is about to be written, and how big."""
     explicit = options.backend == "llama.cpp"
     if not explicit and not _candidate(options):
         return pytorch(path, options)
@@ -87,7 +103,8 @@ def load_directory(
     from specdecode.backends.hf import check_model_directory, load_model_config
 
     directory = check_model_directory(path)
-    kind, reason = gguf_type(directory, load_model_config(directory))
+    config = load_model_config(directory)
+    kind, reason = gguf_type(directory, config)
     if reason is not None:
         if explicit:
             raise SpecdecodeError(f"{directory}: the llama.cpp backend cannot run this directory: {reason}")
@@ -101,37 +118,139 @@ def load_directory(
             "(--backend llama.cpp: there, for a head reading earlier layers)",
         )
     try:
-        gguf_path, written, differs = cached_gguf(directory, kind)
+        exact_rows = use == "target" and not explicit
+        backend = _from_gguf(directory, config, kind, options, exact_rows, say or _silent)
+    except _Refused as refused:
+        why = str(refused)  # the handler gone before PyTorch loads: llama.cpp's weights freed
     except (OSError, RuntimeError) as exc:  # RuntimeError: no home directory for the cache
-        if explicit:
-            raise SpecdecodeError(
-                f"{directory}: cannot keep its GGUF file in {models_dir()}: {exc}"
-            ) from None
-        return pytorch(path, options)
-    if differs is not None:
-        if explicit:
-            raise SpecdecodeError(f"{directory}: {differs}")
-        return _on_pytorch(pytorch, path, options, differs)
+        why = f"cannot keep its GGUF copy in {models_dir()}: {exc}"
+    else:
+        return backend
+    if explicit:
+        raise SpecdecodeError(
+            f"{directory}: {why}"
+            + ("; `specdecode cache list` shows what the cache holds" if "cache limit" in why else "")
+        )
+    return _on_pytorch(pytorch, path, options, why)
+
+
+class _Refused(Exception):
+    """Why a directory does not run from its GGUF copy: auto's note, --backend llama.cpp's error."""
+
+
+def _from_gguf(
+    directory: Path, config, kind: str, options: LoadOptions, exact_rows: bool, say: Callable[[str], None]
+) -> LlamaCppBackend:
+    """The directory on llama.cpp from its GGUF copy, written where none is kept, or `_Refused`.
+
+    exact_rows: whether the model must pass the row probe (auto's target). The probe needs the
+    file, so a new copy is written beside its place, probed there and moved into place only
+    where it is used; a copy refused is deleted and the verdict kept (`.rows-differ`, with what
+    it depends on), so that the next run writes nothing. A copy is written only where the cache
+    has room (`specdecode.cache.room_for`), said through `say` first: where and how big."""
     from specdecode.backends.llama_cpp import LlamaCppBackend
 
-    backend = LlamaCppBackend.load(gguf_path, options)
-    backend.name = directory.name
-    if use == "target" and not explicit and not backend.invariant:
-        del backend  # llama.cpp's weights freed before PyTorch reads its own
-        return _on_pytorch(
-            pytorch,
-            path,
-            options,
-            "llama.cpp rounds its rows differently in multi-row passes than alone in this build, so "
-            "speculative output would not equal plain output bit for bit (--backend llama.cpp runs "
-            "it there anyway, see docs/gguf.md)",
-        )
-    how = "written once to" if written else "kept in"
-    backend.backend_note = (
-        f"{directory.name}: llama.cpp's kernels (faster on a CPU than PyTorch's), on the directory's "
-        f"weights as a {kind} GGUF file {how} {gguf_path} (--backend native: PyTorch)"
-    )
+    out = models_dir() / f"{content_key(directory)[:40]}.{kind}.gguf"
+    differs, rows_differ = out.with_suffix(".tokenizer-differs"), out.with_suffix(".rows-differ")
+    if differs.is_file():
+        raise _Refused(differs.read_text())
+    facts = _row_facts(options) if exact_rows else None
+    if exact_rows and _read_json(rows_differ).get("facts") == facts:
+        raise _Refused(ROWS_DIFFER)
+    if out.is_file():
+        os.utime(out, ns=(time.time_ns(), out.stat().st_mtime_ns))  # used now (`cache list`), same file
+        backend = LlamaCppBackend.load(out, options, say)
+        backend.name = directory.name
+        if exact_rows and not backend.invariant:
+            del backend  # kept: written for another use (a draft), which it still serves
+            _write_atomically(rows_differ, json.dumps({"facts": facts}))
+            raise _Refused(ROWS_DIFFER)
+        backend.backend_note = _note(directory, kind, "kept in", out)
+        return backend
+    size = estimated_size(directory, config, kind)
+    if (full := cache.room_for(size)) is not None:
+        raise _Refused(full)
+    kept = " (kept only if llama.cpp runs it exactly)" if exact_rows else ""
+    say(f"writing {directory.name} as a {cache.format_size(size)} {kind} GGUF file to {out}{kept}")
+    from specdecode.backends.gguf_files import export_gguf
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.stem}.", dir=out.parent)) / out.name
+    try:
+        export_gguf(directory, staging, kind)
+        why = _tokenizes_otherwise(directory, staging)
+        if why is not None:
+            differs.write_text(why)
+            raise _Refused(why)
+        backend = LlamaCppBackend.load(staging, options, say)
+        backend.name = directory.name
+        backend.model.path = out  # the probe's verdict and pass timings are kept for the file's place
+        if exact_rows and not backend.invariant:
+            del backend
+            _write_atomically(rows_differ, json.dumps({"facts": facts}))
+            raise _Refused(ROWS_DIFFER)
+        os.replace(staging, out)
+    finally:
+        staging.unlink(missing_ok=True)
+        staging.parent.rmdir()
+    backend.keep_verdict()  # probed before the file was in place: kept under its place now
+    cache.record_source(out, directory)
+    backend.backend_note = _note(directory, kind, "written once to", out)
     return backend
+
+
+def _note(directory: Path, kind: str, how: str, out: Path) -> str:
+    return (
+        f"{directory.name}: on llama.cpp's kernels (faster on a CPU), as a {kind} GGUF copy {how} {out} "
+        "(--backend native: PyTorch)"
+    )
+
+
+def _row_facts(options: LoadOptions) -> dict[str, object]:
+    """What the row probe's verdict on a file depends on besides the file (as its stored key,
+    `RowProbe._probe_key`): a verdict remembered under the same facts holds without the file."""
+    import torch
+
+    from specdecode.backends.llama_lib import TILED_SWITCH, kernels
+    from specdecode.backends.llama_probe import PROBE_FORMAT
+
+    return {
+        "probe": PROBE_FORMAT,
+        "kernels": {**kernels(), "tiled": os.environ.get(TILED_SWITCH, "0")},  # as loading sets it
+        "repack": options.repack,
+        "gpu_layers": options.gpu_layers,
+        "threads": options.threads or torch.get_num_threads(),
+        "n_ctx": options.n_ctx,
+        "cpu": cpu_model(),
+        "version": package_version() or "unknown",
+    }
+
+
+def estimated_size(directory: Path, config, kind: str) -> int:
+    """Bytes of the GGUF file `export_gguf` writes of `kind`: its matrices in that type, its
+    vectors (norms) in float32, and its vocabulary (about as big as tokenizer.json)."""
+    hidden, layers = int(config.hidden_size), int(config.num_hidden_layers)
+    heads = int(config.num_attention_heads)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(config, "head_dim", None) or hidden // heads)
+    per_layer = hidden * head_dim * 2 * (heads + kv_heads) + 3 * hidden * int(config.intermediate_size)
+    embeddings = int(config.vocab_size) * hidden * (1 if config.tie_word_embeddings else 2)
+    vectors = hidden * (2 * layers + 1)
+    tokenizer = (directory / "tokenizer.json").stat().st_size
+    return (embeddings + layers * per_layer) * TYPE_BYTES[kind] + vectors * 4 + tokenizer
+
+
+def _silent(line: str) -> None:
+    """Where no one is told of a copy being written."""
+
+
+def _read_json(path: Path) -> dict:
+    """A small JSON object kept in the cache, or {} where there is none readable."""
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def _candidate(options: LoadOptions) -> bool:
@@ -146,7 +265,7 @@ def _on_pytorch(
     pytorch: Callable[[Path, LoadOptions], HFBackend], path: Path, options: LoadOptions, why: str
 ) -> HFBackend:
     backend = pytorch(path, options)
-    backend.backend_note = f"{backend.name}: PyTorch, not llama.cpp's kernels: {why}"
+    backend.backend_note = f"{backend.name}: runs on PyTorch, not llama.cpp: {why}"
     return backend
 
 
@@ -170,33 +289,6 @@ def gguf_type(directory: Path, config) -> tuple[str, None] | tuple[None, str]:
     if model.get("type") != "BPE" or model.get("byte_fallback"):
         return None, "not a byte-level BPE tokenizer (the GGUF writer takes those only)"
     return STORED_TYPES[stored], None
-
-
-def cached_gguf(directory: Path, kind: str) -> tuple[Path, bool, str | None]:
-    """The directory's GGUF file of type `kind`, written once per content under `models_dir()`:
-    (its path, whether it was written now, why llama.cpp's tokenizer on it differs from the
-    directory's or None). A file that tokenizes otherwise is not kept; the verdict is."""
-    out = models_dir() / f"{content_key(directory)[:40]}.{kind}.gguf"
-    differs = out.with_suffix(".tokenizer-differs")
-    if differs.is_file():
-        return out, False, differs.read_text()
-    if out.is_file():
-        return out, False, None
-    from specdecode.backends.gguf_files import export_gguf
-
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.stem}.", dir=out.parent)) / out.name
-    try:
-        export_gguf(directory, staging, kind)
-        why = _tokenizes_otherwise(directory, staging)
-        if why is not None:
-            differs.write_text(why)
-            return out, True, why
-        os.replace(staging, out)
-    finally:
-        staging.unlink(missing_ok=True)
-        staging.parent.rmdir()
-    return out, True, None
 
 
 def _tokenizes_otherwise(directory: Path, gguf_path: Path) -> str | None:

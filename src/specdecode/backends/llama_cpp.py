@@ -36,7 +36,7 @@ verdicts (`specdecode.backends.llama_probe`), GGUF files (`specdecode.backends.g
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -131,14 +131,17 @@ class LlamaCppBackend(RowProbe):
         return None if cap is None else max(0, cap - 1 - len(self._owed))
 
     @classmethod
-    def load(cls, path: str | Path, options: LoadOptions) -> LlamaCppBackend:
-        """Load a GGUF file with the LoadOptions the other backends take (dtype is the file's)."""
+    def load(
+        cls, path: str | Path, options: LoadOptions, progress: Callable[[str], None] | None = None
+    ) -> LlamaCppBackend:
+        """Load a GGUF file with the LoadOptions the other backends take (dtype is the file's).
+        progress: told as a long step on the model begins (see `LlamaModel`)."""
         require_library()
         path = Path(path)
         if options.dtype != "auto":
             raise SpecdecodeError(
-                f"{path.name}: llama.cpp computes in the file's own weight types; --dtype {options.dtype} "
-                "applies to the PyTorch backends (--backend native)"
+                f"{path.name}: llama.cpp computes in the file's own weight types; dtype {options.dtype!r} "
+                '(--dtype) applies to the PyTorch backends (backend="native", --backend native)'
             )
         if options.device != "cpu" and not llama_cpp.llama_supports_gpu_offload():
             raise SpecdecodeError(f"device {options.device} asked for, but this llama.cpp build has no GPU")
@@ -149,11 +152,12 @@ class LlamaCppBackend(RowProbe):
             raise SpecdecodeError("GPU layers (-ngl) asked for, but this llama.cpp build has no GPU")
         if options.passes == "fixed":
             raise SpecdecodeError(
-                "--passes fixed is the native backend's CUDA graphs; llama.cpp takes invariant (the "
-                "default: drafts kept to passes whose rows are bit-identical) or bucketed (any pass size)"
+                "passes 'fixed' (--passes fixed) is the native backend's CUDA graphs; llama.cpp takes "
+                "invariant (the default: drafts kept to passes whose rows are bit-identical) or bucketed "
+                "(any pass size)"
             )
         return cls(
-            LlamaModel(path, gpu_layers, options.repack),
+            LlamaModel(path, gpu_layers, options.repack, progress),
             n_ctx=options.n_ctx,
             n_batch=options.n_batch,
             threads=options.threads,
@@ -410,7 +414,8 @@ class LlamaCppBackend(RowProbe):
         if beyond:
             raise SpecdecodeError(
                 f"{self.name}: llama.cpp exposes the inputs of layers 0..{self.n_layers - 1}, not "
-                f"layer ids {beyond} (the last layer's output): run this head with --backend native"
+                f"layer ids {beyond} (the last layer's output): run this head on the native backend "
+                '(backend="native", --backend native)'
             )
         api = layer_input_api()
         for layer in range(self.n_layers):

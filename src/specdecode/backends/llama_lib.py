@@ -69,7 +69,8 @@ def layer_input_api() -> dict[str, ctypes._CFuncPtr]:
         except AttributeError:
             raise SpecdecodeError(
                 "this llama.cpp build does not export llama_set/get_embeddings_layer_inp, which an "
-                "EAGLE-3 head needs to read the target's hidden states (--backend native runs it)"
+                "EAGLE-3 head needs to read the target's hidden states (the native backend runs it: "
+                'backend="native", --backend native)'
             ) from None
         setter.argtypes, setter.restype = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_bool], None
         getter.argtypes, getter.restype = [ctypes.c_void_p, ctypes.c_uint32], ctypes.POINTER(ctypes.c_float)

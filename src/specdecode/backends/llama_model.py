@@ -8,6 +8,7 @@ Apart from the backend (`specdecode.backends.llama_cpp`) because they own llama.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -36,7 +37,11 @@ class LlamaModel:
     up to 7 rows; without it, in passes of every probed size (it serves passes of 8 rows and
     more, a long prompt's chunks among them)."""
 
-    def __init__(self, path: Path, gpu_layers: int, repack: bool = True) -> None:
+    def __init__(
+        self, path: Path, gpu_layers: int, repack: bool = True, progress: Callable[[str], None] | None = None
+    ) -> None:
+        """progress: told as a long step on this model begins (its tokenizer built, the row
+        probe), for a command to show; the model's contexts and forks share it."""
         require_library()
         os.environ.setdefault(TILED_SWITCH, "0")
         silence_logs()
@@ -52,6 +57,7 @@ class LlamaModel:
             raise SpecdecodeError(f"llama.cpp cannot load {path} (not a model file it knows)")
         self.vocab = llama_cpp.llama_model_get_vocab(self.pointer)
         self.path = path
+        self.progress = progress
         self._tokenizer = None
         self.probe: RowAgreement | None = None  # see RowProbe.invariant
         self.invariant_rows = 0  # the probed passes of up to this many rows were all bit-identical
@@ -65,9 +71,11 @@ class LlamaModel:
         server's chat templates and text routes work with (the same ids as llama.cpp's on
         files `specdecode export` writes)."""
         if self._tokenizer is None:
-            from specdecode.backends.gguf_files import load_gguf_tokenizer  # transformers: seconds of imports
+            if self.progress is not None:  # transformers' imports alone take seconds
+                self.progress(f"reading {self.path.name}'s tokenizer with transformers")
+            from specdecode.backends.gguf_files import load_gguf_tokenizer
 
-            self._tokenizer = load_gguf_tokenizer(self.path)
+            self._tokenizer = load_gguf_tokenizer(self.path, self.progress)
         return self._tokenizer
 
     def __del__(self) -> None:

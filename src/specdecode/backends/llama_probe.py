@@ -105,14 +105,29 @@ class RowProbe:
             stored = pass_cache.read_value(key, "probe") if key is not None else None
             try:
                 probe, rows, wide = RowAgreement(*stored[:3]), int(stored[3]), bool(stored[4])
+                probed = False
             except (TypeError, ValueError, IndexError):  # nothing stored, or not a verdict
+                if self.model.progress is not None:  # passes at up to PROBE_LONGEST cells: a while
+                    self.model.progress(
+                        f"checking that llama.cpp's multi-row passes give {self.name} the rows of "
+                        "one-row passes (once per model and machine)"
+                    )
                 probe = self.probe_invariance()
                 rows, wide = self.model.invariant_rows, self.model.wide_rows_agree
-                verdict = [probe.rows, probe.identical, probe.same_argmax, rows, wide]
-                if key is not None:
-                    pass_cache.write_value(key, "probe", verdict)
+                probed = True
             self.model.probe, self.model.invariant_rows, self.model.wide_rows_agree = probe, rows, wide
+            if probed:
+                self.keep_verdict()
         return self.model.invariant_rows
+
+    def keep_verdict(self) -> None:
+        """Store the probe's verdict under this model's key, where it has one: also called once
+        a file probed before it reached its place is there (`specdecode.backends.hf_gguf`)."""
+        probe, key = self.model.probe, self._probe_key()
+        if probe is not None and key is not None:
+            rows, wide = self.model.invariant_rows, self.model.wide_rows_agree
+            verdict = [probe.rows, probe.identical, probe.same_argmax, rows, wide]
+            pass_cache.write_value(key, "probe", verdict)
 
     def _probe_key(self) -> dict[str, object] | None:
         key = pass_cache.cache_key(self, WIDE_PASSES) if pass_cache.enabled() else None
@@ -143,18 +158,15 @@ class RowProbe:
         return max(WIDE_PASSES) if cap is None else cap
 
     def row_cap_note(self) -> str | None:
-        """The line a speculative run on this model is told when its drafts are capped below a
-        default draft's length (a cap on longer drafts only, such as ngram-mod's, goes unsaid)."""
+        """What a speculative run on this model is told when its drafts are capped below a
+        default draft's length (a cap on longer drafts only, such as ngram-mod's, goes unsaid):
+        short, the why is in docs/gguf.md (`specdecode.verdicts.start_verdicts` adds the flag)."""
         cap = self.row_cap
         if cap is None or cap >= max(PROBE_PASSES):
             return None
-        where = f"in passes of up to {cap} rows" if cap > 1 else "in one-row passes"
-        kept = f"drafts are capped at {cap - 1} tokens a step" if cap > 1 else "nothing is drafted"
-        return (
-            f"llama.cpp gives {self.name}'s rows their one-row bits only {where} (probed): {kept} so "
-            "that output equals plain output (--passes bucketed lifts the cap, at near-ties' risk; "
-            "-nr/--no-repack or llama.cpp's row-invariant build may raise it; see docs/gguf.md)"
-        )
+        if cap == 1:
+            return "nothing is drafted, for exact output"
+        return f"drafts held to {cap - 1} tokens for exact output"
 
     def row_variance_warning(self, trees: bool) -> str | None:
         """What a speculative run on this model should be told when its rows are not invariant
@@ -162,13 +174,11 @@ class RowProbe:
         changes nothing: any multi-row pass may vary)."""
         if self.exact or self._probed_rows() >= max(WIDE_PASSES):
             return None
-        probe, agreed = self.model.probe, self.model.invariant_rows
+        probe = self.model.probe
         return (
             f"llama.cpp rounds {probe.rows - probe.identical} of {probe.rows} probed rows of {self.name} "
-            "differently in multi-row passes than alone"
-            + (f" (passes of up to {agreed} rows agreed)" if agreed else "")
-            + ": with --passes bucketed, greedy speculative output equals plain output up to near-ties "
-            "only (bit for bit: the default --passes, see docs/gguf.md)"
+            "differently in passes of several rows: with --passes bucketed, output can differ from plain "
+            "output where two tokens almost tie (see docs/gguf.md)"
         )
 
     def probe_invariance(self) -> RowAgreement:

@@ -10,6 +10,7 @@ transformers' seconds of imports."""
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -32,26 +33,27 @@ HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
 
 
 def load_backend(
-    path: str | Path, options: LoadOptions = LoadOptions(), use: Use = "target"
+    path: str | Path,
+    options: LoadOptions = LoadOptions(),
+    use: Use = "target",
+    progress: Callable[[str], None] | None = None,
 ) -> HFBackend | LlamaCppBackend:
     """Load a local model with the backend `options.backend` names: "hf" runs transformers'
     forward, "native" the lean Llama-family forward (an error for other models), "llama.cpp"
     llama.cpp's kernels (a GGUF file, or a directory through the GGUF written from it), "auto"
     llama.cpp for a GGUF file where it is installed, for a directory on the CPU where
     `specdecode.backends.hf_gguf` allows it (`use`: what the model is for, which decides whether
-    its rows must be invariant), else the native forward where it runs."""
+    its rows must be invariant), else the native forward where it runs. progress: told before
+    a long step that is not loading (a GGUF copy of a directory written: where, how big; a
+    tokenizer built; llama.cpp's row probe)."""
     check_backend_name(options.backend)
-    check_not_hub_id(path)
-    path = Path(path)
-    if not path.exists():
-        kind = "GGUF file" if path.suffix.lower() == ".gguf" else "model directory"
-        raise SpecdecodeError(f"{kind} not found: {path}")
+    path = check_model_path(path)
     if is_gguf(path):
-        return _load_gguf(path, options)
+        return _load_gguf(path, options, progress)
     if options.backend in ("auto", "llama.cpp"):
         from specdecode.backends.hf_gguf import load_directory
 
-        return load_directory(path, options, use, _load_pytorch)
+        return load_directory(path, options, use, _load_pytorch, progress)
     return _load_pytorch(path, options)
 
 
@@ -120,6 +122,17 @@ def check_backend_name(backend: str) -> None:
         raise SpecdecodeError(f"unknown backend {backend!r} (choose from {', '.join(BACKENDS)})")
 
 
+def check_model_path(path: str | Path) -> Path:
+    """The path of a model on disk, or an error saying what is missing (a Hub id: how to get
+    it); `specdecode.api.Pipeline.load` asks it of every model before the first one loads."""
+    check_not_hub_id(path)
+    path = Path(path)
+    if not path.exists():
+        kind = "GGUF file" if path.suffix.lower() == ".gguf" else "model directory"
+        raise SpecdecodeError(f"{kind} not found: {path}")
+    return path
+
+
 def check_not_hub_id(path: str | Path) -> None:
     """Refuse a Hugging Face Hub id (`owner/name`, not on disk) with how to get the model: nothing
     here downloads, and "model directory not found" would not say why."""
@@ -131,13 +144,15 @@ def check_not_hub_id(path: str | Path) -> None:
         )
 
 
-def _load_gguf(path: Path, options: LoadOptions) -> HFBackend | LlamaCppBackend:
+def _load_gguf(
+    path: Path, options: LoadOptions, progress: Callable[[str], None] | None = None
+) -> HFBackend | LlamaCppBackend:
     from specdecode.backends import llama_lib
     from specdecode.backends.llama_cpp import LlamaCppBackend
 
     use_llama_cpp = options.backend == "llama.cpp" or (options.backend == "auto" and llama_lib.available())
     if use_llama_cpp:
-        backend = LlamaCppBackend.load(path, options)
+        backend = LlamaCppBackend.load(path, options, progress)
         if options.threads:
             # The sampler's PyTorch work between passes keeps to the threads asked for too: split
             # over more, its vocabulary-long vectors cost milliseconds of waiting per token.
@@ -151,7 +166,7 @@ def _load_gguf(path: Path, options: LoadOptions) -> HFBackend | LlamaCppBackend:
     if options.threads:
         torch.set_num_threads(options.threads)
     dtype = _resolve_dtype(options.dtype, None, device, False)
-    model, tokenizer = load_gguf_model(path, dtype)
+    model, tokenizer = load_gguf_model(path, dtype, progress=progress)
     return _in_memory(model.to(device), tokenizer, options, path.stem, path)
 
 

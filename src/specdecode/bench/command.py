@@ -1,6 +1,6 @@
 """`specdecode bench`: every strategy against plain generation and against Hugging Face, in one run.
 
-specdecode bench --quick              # the bundled pair, 1 prompt per task, under 2 minutes
+specdecode bench --quick              # a first look: 5 systems, 1 prompt per task, a few CPU-minutes
 specdecode bench --out bench-results  # the full suite: 3 prompts per task, 128 tokens, 3 runs
 specdecode bench -m TARGET -md DRAFT --systems plain,draft,hf-plain,hf-assisted
 specdecode bench -m TARGET -md DRAFT -me HEAD --systems plain,draft,eagle3 --tasks completion
@@ -24,6 +24,7 @@ from specdecode.backends.load import load_backend
 from specdecode.bench.machine import Machine, dtype_of, machine_line
 from specdecode.bench.metrics import summarize
 from specdecode.bench.names import CHAT_TASKS
+from specdecode.bench.record import RunLog
 from specdecode.bench.report import (
     plot_title,
     policy_lines,
@@ -35,8 +36,16 @@ from specdecode.bench.report import (
     sweep_lines,
     write_outputs,
 )
-from specdecode.bench.suite import Measurement, rounds, run_suite
-from specdecode.bench.systems import Run, System, build_systems, draft_max_systems, static_grid, system_names
+from specdecode.bench.suite import plan_size, run_suite
+from specdecode.bench.systems import (
+    Run,
+    System,
+    build_systems,
+    draft_max_systems,
+    quick_system_names,
+    static_grid,
+    system_names,
+)
 from specdecode.bench.tasks import Task, as_chats, build_tasks, custom_task
 from specdecode.chat import chat_from_args, encode_rendered
 from specdecode.defaults import resolve_eagle3, resolve_models
@@ -49,9 +58,10 @@ from specdecode.strategies.eagle3_head import Eagle3Head
 if TYPE_CHECKING:
     from rich.console import Console
 
-# (prompts per task, tokens per run, measured runs, warm-up rounds, --spec-draft-n-max sweep)
+# (prompts per task, tokens per run, measured runs, warm-up rounds, --spec-draft-n-max sweep);
+# quick also runs fewer systems (`quick_system_names`) and warms up before its first prompt only
 MODES = {
-    "quick": (1, 32, 1, 1, (2, 8)),
+    "quick": (1, 32, 1, 1, ()),
     "full": (3, 128, 3, 1, (1, 2, 4, 8, 16)),
 }
 
@@ -66,6 +76,7 @@ def settings(args: argparse.Namespace) -> dict:
         "runs": args.runs or runs,
         "warmup": warmup if args.warmup is None else args.warmup,
         "sweep": sweep if args.sweep is None else _int_list(args.sweep),
+        "warm_once": bool(args.quick),
     }
     if chosen["n_predict"] < 1:
         raise SpecdecodeError("-n must be >= 1")
@@ -107,8 +118,11 @@ def bench_tasks(args: argparse.Namespace, per_task: int) -> list[Task]:
 def load_models(
     args: argparse.Namespace, target_options: LoadOptions, draft_options: LoadOptions
 ) -> tuple[HFBackend, HFBackend | None, Eagle3Head | None]:
-    """Target, draft and EAGLE-3 head (-me, or the bundled head with the bundled target)."""
+    """Target, draft and EAGLE-3 head (-me, or the bundled head with the bundled target, which
+    --quick runs only when --systems names it)."""
     head = resolve_eagle3(args.model, args.model_eagle3)
+    if args.quick and args.model_eagle3 is None and "eagle3" not in (args.systems or ""):
+        head = None
     model, draft = resolve_models(args.model, args.model_draft)
     target = load_backend(model, target_options)
     draft_backend = load_backend(draft, draft_options) if draft is not None else None
@@ -144,7 +158,7 @@ def run_bench(
     names = (
         [name.strip().replace("+", ",") for name in args.systems.split(",")]
         if args.systems
-        else system_names(
+        else (quick_system_names if args.quick else system_names)(
             draft is not None,
             include_hf=not args.no_hf and isinstance(target, HFBackend),  # not on llama.cpp's kernels
             has_eagle3=eagle3 is not None,
@@ -161,8 +175,6 @@ def run_bench(
         sweep_systems = [systems[0], *draft_max_systems(chosen["sweep"], target, draft, draft_config)]
     machine = Machine()
     decode = functools.partial(answer_text, target)
-    measurements, sweep = _measure(tasks, systems, sweep_systems, tokenize, decode, chosen, console)
-    rows = summarize(measurements)
     results = {"settings": chosen, "machine": _machine(machine, target, draft, eagle3)}
     results |= {"systems": [s.name for s in systems], "date": machine.date}
     results["tasks"] = {
@@ -171,17 +183,47 @@ def run_bench(
         ]
         for t in tasks
     }
-    results |= {"rows": rows, "draft_max_sweep": sweep}
+    header = f"specdecode bench ({chosen['mode']}): {target.name} / {draft.name if draft else 'no draft'}"
+    if eagle3 is not None:
+        header += f" / EAGLE-3 head {args.model_eagle3.name if args.model_eagle3 else '(bundled)'}"
+    planned = plan_size(tasks, len(systems), chosen["runs"], chosen["warmup"], chosen["warm_once"])[1]
+    stopped = False
+    with RunLog(args.out, results, f"{header}\n\n{machine_line(results['machine'])}", planned) as log:
+        try:
+            _measure(tasks, systems, sweep_systems, tokenize, decode, chosen, console, log)
+        except KeyboardInterrupt:  # Ctrl-C: the tables and files of the runs done, then status 130
+            stopped = True
+    results["machine"] = _machine(machine, target, draft, eagle3)  # the load average after the runs
+    log.header = f"{header}\n\n{machine_line(results['machine'])}"
+    _report(args, header, systems, log, console, stopped)
+    if stopped:
+        raise KeyboardInterrupt
+
+
+def _report(
+    args: argparse.Namespace, header: str, systems: list[System], log: RunLog, console: Console, stopped: bool
+) -> None:
+    """The tables and files of the runs in `log`: all of them, or those done before Ctrl-C
+    (`stopped`: said above the tables, and no plots)."""
+    results = log.results
+    rows = summarize(log.suite)
+    sweep = [
+        {"draft_max": int(row["system"].split()[-1]), **row}
+        for row in summarize(log.sweep)
+        if row["system"] != "plain"
+    ]
+    results |= {"rows": rows, "draft_max_sweep": sweep, **log.progress()}
     results["policies"] = {
         system.name: policy_summary(system.policy_models)
         for system in systems
         if getattr(system, "policy_models", None) is not None
     }
-    header = f"specdecode bench ({chosen['mode']}): {target.name} / {draft.name if draft else 'no draft'}"
-    if eagle3 is not None:
-        header += f" / EAGLE-3 head {args.model_eagle3.name if args.model_eagle3 else '(bundled)'}"
     console.print(header)
     print(machine_line(results["machine"]))
+    if stopped:
+        console.print(
+            f"bench: stopped after {len(log.suite)} of {log.planned} measured runs: the tables show those"
+        )
     print_tables(rows, stdout_console())
     for line in sweep_lines(sweep):
         print(line)
@@ -190,8 +232,8 @@ def run_bench(
     results["static_comparison"] = static_comparison(rows)
     for line in static_lines(results["static_comparison"]):
         print(line)
-    written = write_outputs(args.out, results, rows, f"{header}\n\n{machine_line(results['machine'])}")
-    if not args.no_plots:
+    written = [*write_outputs(args.out, results, rows, log.partial_header()), log.runs_path]
+    if not args.no_plots and not stopped:
         written += _plots(rows, sweep, args.out, plot_title(header, results))
     console.print("wrote " + ", ".join(str(path) for path in written))
 
@@ -211,37 +253,40 @@ def _measure(
     decode: Callable[[list[int]], str],
     chosen: dict,
     console: Console,
-) -> tuple[list[Measurement], list[dict]]:
+    log: RunLog,
+) -> None:
     """The main suite, then the draft-max sweep on the first task's prompts, with one progress
-    display (see `_progress`)."""
-    per_prompt = len(rounds(systems, chosen["runs"], chosen["warmup"])) * len(systems)
-    total = per_prompt * sum(len(t.turns(i)) for t in tasks for i in range(len(t.prompts)))
+    display (see `_progress`), each measured run kept in `log` as it finishes."""
+    sizes = chosen["runs"], chosen["warmup"], chosen["warm_once"]
+    total = plan_size(tasks, len(systems), *sizes)[0]
     if sweep_systems:
-        sweep_rounds = len(rounds(sweep_systems, chosen["runs"], chosen["warmup"]))
-        total += sweep_rounds * len(sweep_systems) * len(tasks[0].prompts)
+        total += plan_size(tasks[:1], len(sweep_systems), *sizes)[0]
+    runs, warmup, warm_once = sizes
     with _progress(console, total) as advance:
-        measured = run_suite(
-            tasks, systems, tokenize, chosen["n_predict"], chosen["runs"], chosen["warmup"], advance, decode
+        run_suite(
+            tasks,
+            systems,
+            tokenize,
+            chosen["n_predict"],
+            runs,
+            warmup,
+            advance,
+            decode,
+            log.recorder("suite"),
+            warm_once,
         )
-        sweep_measured = (
+        if sweep_systems:
             run_suite(
                 tasks[:1],
                 sweep_systems,
                 tokenize,
                 chosen["n_predict"],
-                chosen["runs"],
-                chosen["warmup"],
+                runs,
+                warmup,
                 advance,
+                record=log.recorder("sweep"),
+                warm_once=warm_once,
             )
-            if sweep_systems
-            else []
-        )
-    sweep = [
-        {"draft_max": int(row["system"].split()[-1]), **row}
-        for row in summarize(sweep_measured)
-        if row["system"] != "plain"
-    ]
-    return measured, sweep
 
 
 @contextlib.contextmanager

@@ -20,7 +20,7 @@ DRAFTING = DraftModelConfig()  # llama.cpp's classic drafting defaults
 
 BENCH_EXAMPLES = """\
 examples:
-  specdecode bench --quick              # the bundled pair, 1 prompt per task, under 2 minutes
+  specdecode bench --quick              # a first look: 5 systems, 1 prompt per task, a few CPU-minutes
   specdecode bench --out bench-results  # the full suite: 3 prompts per task, 128 tokens, 3 runs
   specdecode bench -m TARGET -md DRAFT --systems plain,draft,hf-plain,hf-assisted
   specdecode bench --systems plain,draft,draft@adaptive --static-grid 0.3,0.5,0.75:4,8,16"""
@@ -34,11 +34,18 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         help="every strategy vs plain generation and vs Hugging Face generate, interleaved, in one run",
         usage="%(prog)s [--quick] [options]",
         description="Every strategy against plain generation and against Hugging Face's generate,\n"
-        "interleaved, in one run: JSON, Markdown and plots in --out.",
+        "interleaved, in one run: JSON, Markdown and plots in --out, each run written as it finishes\n"
+        "(runs.jsonl; Ctrl-C keeps the tables of the runs done).",
         epilog=BENCH_EXAMPLES,
     )
     group = parser.add_argument_group("benchmark")
-    group.add_argument("--quick", action="store_true", help="1 prompt per task, 32 tokens, 1 run")
+    group.add_argument(
+        "--quick",
+        action="store_true",
+        help="a first look: 1 prompt per task, 32 tokens, 1 run, one warm-up round, no sweep; only "
+        "plain, the draft, generate's default and Hugging Face's plain and assisted (no draft: "
+        "ngram-mod and prompt lookup) unless --systems says",
+    )
     group.add_argument(
         "--tasks",
         default=",".join(TASK_NAMES),
@@ -48,7 +55,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         "--systems",
         help="comma-separated systems, a chain's strategies joined by + (ngram-simple+draft), "
         "@adaptive after a chain for the adaptive policy (draft@adaptive); default: all that the "
-        "models allow, with the classic policy",
+        "models allow, with the classic policy (--quick: see there)",
     )
     group.add_argument("--no-hf", action="store_true", help="leave Hugging Face's generate out")
     group.add_argument("-p", "--prompt", action="append", help="your own prompt (repeatable): a custom task")
@@ -57,7 +64,11 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     group.add_argument("--prompts-per-task", type=int, help="prompts per task (quick 1, full 3)")
     group.add_argument("-n", "--n-predict", type=int, help="tokens generated per run (quick 32, full 128)")
     group.add_argument("--runs", type=int, help="measured runs per prompt and system (quick 1, full 3)")
-    group.add_argument("--warmup", type=int, help="uncounted rounds per prompt first (default: 1)")
+    group.add_argument(
+        "--warmup",
+        type=int,
+        help="uncounted rounds before each prompt (default: 1; --quick: before the first)",
+    )
     add_drafting_args(group, DRAFTING.n_max, DRAFTING.p_min)
     group.add_argument(
         "--spec-draft-n-min",
@@ -87,7 +98,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     )
     group.add_argument(
         "--sweep",
-        help="comma-separated --spec-draft-n-max values for the sweep (quick 2,8; full 1,2,4,8,16; 0: none)",
+        help="comma-separated --spec-draft-n-max values for the sweep (full 1,2,4,8,16; quick and 0: none)",
     )
     group.add_argument(
         "--static-grid",

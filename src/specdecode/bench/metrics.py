@@ -106,6 +106,8 @@ def _counters(runs: Sequence[Measurement], plain_step: float | None = None) -> d
         "share_draft": t_draft / t_generation,
         "share_verify": t_verify / t_generation,
         "share_other": max(0.0, 1 - (t_draft + t_verify) / t_generation),
+        # why drafting was little or held short, as its last run says (`specdecode.verdicts`)
+        "verdicts": [verdict.to_dict() for verdict in stats[-1].verdicts],
     }
 
 

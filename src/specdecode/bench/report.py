@@ -11,11 +11,14 @@ Columns, for each system on a task:
   d/v/o %    share of generation time spent drafting / verifying (target passes) / elsewhere
   exact      share of runs whose tokens equal our plain output (greedy, or sampled with the
              same seed; Hugging Face's sampler is not compared)
+Below a task's table, a note for each system that drafted little or nothing there, or had its
+drafts held short, says why (`verdict_notes`).
 """
 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -91,6 +94,15 @@ def print_tables(rows: Sequence[dict], console: Console) -> None:
         for row in task_rows:
             table.add_row(*cells(row))
         console.print(table)
+        for note in verdict_notes(task_rows):
+            console.print(f"note: {note}", markup=False, highlight=False)
+
+
+def verdict_notes(rows: Sequence[dict]) -> list[str]:
+    """Why a system drafted little or nothing, or had its drafts held short, on a task (its
+    last run's `specdecode.verdicts`): a footnote to the table, so that a speed-up of 1.00x
+    with nothing drafted says why."""
+    return [f"{row['system']}: {verdict['text']}" for row in rows for verdict in row.get("verdicts", [])]
 
 
 def stdout_console() -> Console:
@@ -106,6 +118,8 @@ def markdown(rows: Sequence[dict], header: str) -> str:
     for task, task_rows in by_task(rows).items():
         lines += [f"### {task}", "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
         lines += ["| " + " | ".join(cells(row)) + " |" for row in task_rows]
+        notes = verdict_notes(task_rows)
+        lines += ["", *(f"- {note}" for note in notes)] if notes else []
         lines.append("")
     return "\n".join(lines)
 
@@ -175,10 +189,11 @@ def static_comparison(rows: Sequence[dict]) -> dict[str, dict]:
         base = adaptive.removesuffix(ADAPTIVE)
         tasks = {}
         for task in dict.fromkeys(row["task"] for row in rows):
-            if (task, base) not in speedups or (task, adaptive) not in speedups:
+            ran = [n for n in classic if speedups.get((task, n)) is not None]  # a partial bench: not all
+            if base not in ran or speedups.get((task, adaptive)) is None:
                 continue
-            own = max((n for n in classic if static_base(n) == base), key=lambda n: speedups[task, n])
-            best = max(classic, key=lambda n: speedups[task, n])
+            own = max((n for n in ran if static_base(n) == base), key=lambda n: speedups[task, n])
+            best = max(ran, key=lambda n: speedups[task, n])
             tasks[task] = {
                 "adaptive": speedups[task, adaptive],
                 "classic": speedups[task, base],
@@ -219,11 +234,12 @@ def static_lines(comparison: dict[str, dict]) -> list[str]:
 
 
 def write_outputs(out_dir: Path, results: dict, rows: Sequence[dict], header: str) -> list[Path]:
-    """results.json (everything) and results.md (the tables) in out_dir."""
+    """results.json (everything) and results.md (the tables) in out_dir, each replaced whole
+    (a bench rewrites them after every run: an interrupted write leaves the previous ones)."""
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         json_path, md_path = out_dir / "results.json", out_dir / "results.md"
-        json_path.write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
+        _replace(json_path, json.dumps(results, indent=1) + "\n")
         text = markdown(rows, header)
         if results.get("draft_max_sweep"):
             text += "\n### speed-up vs --spec-draft-n-max (draft, completion)\n\n"
@@ -232,7 +248,14 @@ def write_outputs(out_dir: Path, results: dict, rows: Sequence[dict], header: st
             text += "\n```\n" + "\n".join(policy_lines(name, summary)) + "\n```\n"
         if results.get("static_comparison"):
             text += "\n```\n" + "\n".join(static_lines(results["static_comparison"])) + "\n```\n"
-        md_path.write_text(text, encoding="utf-8")
+        _replace(md_path, text)
     except OSError as exc:
         raise SpecdecodeError(f"cannot write the results into {out_dir}: {exc}") from None
     return [json_path, md_path]
+
+
+def _replace(path: Path, text: str) -> None:
+    """Write a file through a temporary beside it, renamed over it: readers see all or nothing."""
+    partial = path.with_name(path.name + ".tmp")
+    partial.write_text(text, encoding="utf-8")
+    os.replace(partial, path)

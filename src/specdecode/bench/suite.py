@@ -2,7 +2,9 @@
 
 For each prompt: `warmup` uncounted rounds of every system, then `runs` measured rounds. Each
 round runs every system once, in an order rotated by one per round, so no system is always
-first after a prompt change (or always last, when the machine is warmest).
+first after a prompt change (or always last, when the machine is warmest). A quick suite warms
+up once, before its first prompt only: one run per system already warms its code paths, and
+the warm-up would otherwise double a suite of one measured run per prompt.
 
 A session (a task with follow-up turns) runs whole in each system's place: its turns in order on
 one pipeline of that system (`System.session`), each turn's prompt the conversation so far with
@@ -57,6 +59,22 @@ def rounds(systems: Sequence[System], runs: int, warmup: int) -> list[tuple[bool
     return plan
 
 
+def warmups(tasks: Sequence[Task], warmup: int, warm_once: bool) -> list[int]:
+    """Warm-up rounds before each prompt, in suite order (`warm_once`: before the first only)."""
+    counts = [warmup] * sum(len(task.prompts) for task in tasks)
+    return counts[:1] + [0 if warm_once else warmup for _ in counts[1:]]
+
+
+def plan_size(
+    tasks: Sequence[Task], n_systems: int, runs: int, warmup: int, warm_once: bool = False
+) -> tuple[int, int]:
+    """(generations, measured ones) that `run_suite` will run: a session counts each turn."""
+    turns = [len(task.turns(i)) for task in tasks for i in range(len(task.prompts))]
+    warm = warmups(tasks, warmup, warm_once)
+    total = sum(n * n_systems * (w + runs) for n, w in zip(turns, warm, strict=True))
+    return total, sum(turns) * n_systems * runs
+
+
 def run_suite(
     tasks: Sequence[Task],
     systems: Sequence[System],
@@ -66,16 +84,21 @@ def run_suite(
     warmup: int,
     advance: Callable[[str, Run], None] = lambda label, run: None,
     decode: Callable[[list[int]], str] | None = None,
+    record: Callable[[Measurement], None] = lambda measurement: None,
+    warm_once: bool = False,
 ) -> list[Measurement]:
     """Every system on every prompt (or session) of every task; `advance(label, run)` after each
-    run (progress); `decode`: an answer's text, for the next turn of a session."""
+    run (progress), `record(measurement)` after each measured one, as it finishes (so that an
+    interrupted suite keeps it); `decode`: an answer's text, for the next turn of a session;
+    `warm_once`: warm up before the first prompt only."""
     measurements = []
+    warm = iter(warmups(tasks, warmup, warm_once))
     for task in tasks:
         if task.follow_ups and decode is None:
             raise SpecdecodeError(f"the {task.name} task runs sessions: it needs the answers' text")
         for index in range(len(task.prompts)):
             turns, sampling = task.turns(index), task.sampling(index)
-            for measured, order in rounds(systems, runs, warmup):
+            for measured, order in rounds(systems, runs, next(warm)):
                 for system in order:
                     step = system.session()
                     conversation: list[str] = []
@@ -90,20 +113,20 @@ def run_suite(
                             label += f", turn {turn + 1}/{len(turns)}"
                         advance(label if measured else f"{label} (warm-up)", run)
                         if measured:
-                            measurements.append(
-                                Measurement(
-                                    task.name,
-                                    index,
-                                    system.name,
-                                    system.family,
-                                    run.seconds,
-                                    run.cpu_seconds,
-                                    run.tokens,
-                                    run.stats,
-                                    not sampling.greedy,
-                                    turn,
-                                )
+                            measurement = Measurement(
+                                task.name,
+                                index,
+                                system.name,
+                                system.family,
+                                run.seconds,
+                                run.cpu_seconds,
+                                run.tokens,
+                                run.stats,
+                                not sampling.greedy,
+                                turn,
                             )
+                            measurements.append(measurement)
+                            record(measurement)
     return measurements
 
 

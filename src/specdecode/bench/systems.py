@@ -22,7 +22,7 @@ import torch
 from transformers import GenerationConfig as HFGenerationConfig
 from transformers.utils import logging as hf_logging
 
-from specdecode.api import Pipeline
+from specdecode.api import BESIDE_A_DRAFT, Pipeline
 from specdecode.backends.hf import HFBackend
 from specdecode.bench.machine import Stopwatch
 from specdecode.errors import SpecdecodeError
@@ -160,6 +160,21 @@ def system_names(has_draft: bool, include_hf: bool, has_eagle3: bool = False) ->
     return ours + (hf if include_hf else [])
 
 
+def quick_system_names(has_draft: bool, include_hf: bool, has_eagle3: bool = False) -> list[str]:
+    """`bench --quick`'s systems: a first look in a few CPU-minutes, not every strategy. Ours
+    plain; with a draft, llama.cpp's classic draft-model drafting and what `generate` runs by
+    default (the adaptive chain of `api.BESIDE_A_DRAFT` and the draft); without one, ngram-mod
+    (our fastest model-free strategy measured); eagle3 when a head is given (-me); then
+    Hugging Face's plain `generate` (the ×HF baseline) and its speculation for these models
+    (assisted by the same draft, or else prompt lookup)."""
+    ours = ["plain"]
+    ours += ["draft", ",".join([*BESIDE_A_DRAFT, "draft"]) + ADAPTIVE] if has_draft else ["ngram-mod"]
+    if has_eagle3:
+        ours.append("eagle3")
+    hf = ["hf-plain", "hf-assisted" if has_draft else "hf-prompt-lookup"]
+    return ours + (hf if include_hf else [])
+
+
 def build_systems(
     names: Sequence[str],
     target: HFBackend,
@@ -168,7 +183,8 @@ def build_systems(
     ngram: NgramSettings,
     eagle3: Eagle3Head | None = None,
 ) -> list[System]:
-    """The named systems over the loaded models; "plain" always comes first (the baseline)."""
+    """The named systems over the loaded models; "plain" always comes first (the baseline), then
+    ours (adaptive ones included), then Hugging Face's."""
     known = system_names(draft is not None, include_hf=True, has_eagle3=eagle3 is not None)
     ours = [name for name in known if not name.startswith("hf-") and name != "plain"]
     known += [name + ADAPTIVE for name in ours]
@@ -180,7 +196,8 @@ def build_systems(
             f"a chain joins distinct ones of {', '.join(strategies)}; "
             "a classic one may end in @P/N for --spec-draft-p-min P and --spec-draft-n-max N)"
         )
-    ordered = ["plain", *(name for name in known if name in names and name != "plain")]
+    chosen = [name for name in known if name in names and name != "plain"]
+    ordered = ["plain", *sorted(chosen, key=lambda name: name.startswith("hf-"))]  # ours, then HF's
     ordered += [name for name in names if name not in known and name not in ordered]  # @P/N, as asked
     hf_logging.set_verbosity_error()  # its deprecation notices would drown the progress bar
     return [_system(name, target, draft, draft_config, ngram, eagle3) for name in ordered]

@@ -9,14 +9,19 @@ import json
 import os
 import sys
 import time
+from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
-from specdecode.chat import chat_from_args, encode_rendered
+from specdecode.chat import ChatPrompt, chat_from_args
+from specdecode.cli.conversation import Conversation, Echo, chat_prompt_ids, interrupted, wants_conversation
 from specdecode.cli.settings import (
+    DEFAULT_N_PREDICT,
     draft_config,
     load_options,
     ngram_from_args,
     pipeline_from_args,
+    print_note,
     sampling_from_args,
     say,
 )
@@ -25,7 +30,10 @@ from specdecode.errors import SpecdecodeError, read_text_file
 from specdecode.server.settings import settings_from_args
 
 if TYPE_CHECKING:
+    from specdecode.api import Pipeline
     from specdecode.constraints import ConstraintSpec
+    from specdecode.generate import Generation, GenerationConfig
+    from specdecode.stats import SpeculationVerdict
 
 
 def read_prompt(args: argparse.Namespace) -> str:
@@ -82,37 +90,114 @@ def inline_file_error(args: argparse.Namespace, error: SpecdecodeError) -> Specd
 
 
 def run_generate(args: argparse.Namespace) -> None:
+    """Every check of the flags, files and metadata first, then the models, the tokenizer and
+    the prompt's tokens, each long phase said as it begins; after "ready", only generation."""
+    started = time.perf_counter()
+    conversing = wants_conversation(args)  # -cnv, no prompt, a terminal: llama-cli's conversation
+    prompt = None if conversing else read_prompt(args)  # the flags' mistakes first, before the models load
+    chat = chat_from_args(args)
+    if chat is not None:
+        check_stored_template(args, chat)
+    import_torch()
     from specdecode.generate import GenerationConfig
 
-    started = time.perf_counter()
-    prompt = read_prompt(args)  # the flags' mistakes first, before the models load
-    chat = chat_from_args(args)
     constraint = constraint_from_args(args)
     sampling = sampling_from_args(args)
-    config = GenerationConfig(args.n_predict, tuple(args.stop or ()), args.verify, args.ignore_eos)
+    n_predict = args.n_predict if args.n_predict is not None else -1 if conversing else DEFAULT_N_PREDICT
+    config = GenerationConfig(n_predict, tuple(args.stop or ()), args.verify, args.ignore_eos)
     pipeline = pipeline_from_args(args)
+    prompt = prepare(pipeline, chat, constraint, prompt, config)
     say(f"ready in {time.perf_counter() - started:.1f} s")
-    if chat is not None:  # tokenized as the server tokenizes a chat, by the model's tokenizer
-        tokenizer = pipeline.target.tokenizer
-        prompt = chat.text(tokenizer, prompt, pipeline.target.name)
-        pipeline.check_text(prompt, config)  # a template may write megabytes: before tokenizing
-        prompt = encode_rendered(tokenizer, prompt)
+    if conversing:
+        Conversation(pipeline, chat, sampling, config, constraint).run()
+        return
     run = pipeline.stream(prompt, sampling, config, constraint=constraint)
-    for chunk in run:
-        if args.stream and not args.json:
-            print(chunk.text, end="", flush=True)
+    echo = Echo(sys.stdout)
+    try:
+        if not args.json and (args.stream or sys.stdout.isatty()):  # a terminal sees text as it comes
+            echo.show(run)
+        else:
+            for _ in run:
+                pass
+    except KeyboardInterrupt:  # Ctrl-C: the text so far and the statistics, then status 130
+        interrupted(run)
+        print_generation(args, pipeline, run, echo.written)
+        raise
+    print_generation(args, pipeline, run, echo.written)
+
+
+def prepare(
+    pipeline: Pipeline,
+    chat: ChatPrompt | None,
+    constraint: ConstraintSpec | None,
+    prompt: str | None,
+    config: GenerationConfig,
+) -> list[int] | None:
+    """What generate does between loading and "ready", so that only generation follows it: the
+    target's tokenizer (a GGUF file's read or built, said by the backend), the chat template
+    checked, the grammar compiled against the vocabulary, and the prompt's tokens (None for a
+    conversation, whose messages come later)."""
+    if chat is not None:
+        chat.check(pipeline.target.tokenizer, pipeline.target.name)
+    if constraint is not None:  # llguidance's view of the vocabulary: seconds, made once
+        from specdecode.constraints import Constraint
+
+        pipeline.target.tokenizer  # noqa: B018  (read first: its own line, where it is long)
+        say("compiling the grammar for the target's vocabulary")
+        Constraint.for_backend(constraint, pipeline.target)
+    if prompt is None:
+        pipeline.check_text("")  # its one pass over the vocabulary, before the first message
+        return None
+    # a template may write megabytes: measured before it is tokenized, as any prompt text
+    return chat_prompt_ids(pipeline, chat, prompt, config) if chat else pipeline.encode(prompt, config)
+
+
+def import_torch() -> None:
+    """PyTorch's import, said as a start-up phase where it has not happened yet: the first thing
+    a start-up waits for, a second or two on an idle machine and several on a busy one, after the
+    checks that need no torch."""
+    if "torch" not in sys.modules:
+        say("importing PyTorch")
+        import torch  # noqa: F401  (imported for the time it takes, said above)
+
+
+def check_stored_template(args: argparse.Namespace, chat: ChatPrompt) -> None:
+    """--chat on a model whose files carry no chat template (and no --chat-template-file): an
+    error read from the files (a GGUF file's metadata), before any model loads."""
+    if args.model is not None:
+        path = Path(args.model)
+        chat.check_files(path, path.stem if path.is_file() else path.name)
+    else:  # the bundled target, whose tokenizer files lie unpacked in the package
+        import_torch()  # which the bundled models' module imports
+        from specdecode.defaults import BUNDLED
+
+        chat.check_files(BUNDLED / "target", "the default model (no -m)")
+
+
+def print_generation(args: argparse.Namespace, pipeline: Pipeline, run: Generation, written: str) -> None:
+    """The text not `written` yet and the statistics; with --json, one JSON object of both."""
     if args.json:
         print(json.dumps({"text": run.text, "tokens": run.tokens, "stats": run.stats.to_dict()}))
         return
-    if not args.stream:
-        print(run.text, end="")
-    print(flush=True)
+    print(run.text[len(written) :], flush=True)
     if run.stats.stop_reason == "context":
         print(f"note: stopped because the context is full (-c {pipeline.target.n_ctx})", file=sys.stderr)
     print(f"\nseed {run.stats.seed}\n{run.stats.format()}", file=sys.stderr)
+    print_verdicts(pipeline, run.stats.verdicts)
+
+
+def print_verdicts(pipeline: Pipeline, verdicts: Sequence[SpeculationVerdict]) -> None:
+    """Why drafting was little or held short, once: a reason said at start is not said again."""
+    from specdecode.verdicts import start_verdicts
+
+    said = {verdict.code for verdict in start_verdicts(pipeline.target, pipeline.spec_types)}
+    for verdict in verdicts:
+        if verdict.code not in said:
+            print_note(verdict.text)
 
 
 def run_serve(args: argparse.Namespace) -> None:
+    import_torch()
     from specdecode.server import serve  # the HTTP stack: before the socket and the models
 
     started = time.perf_counter()

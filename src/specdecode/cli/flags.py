@@ -12,7 +12,7 @@ import textwrap
 from pathlib import Path
 
 from specdecode.chat import add_chat_args
-from specdecode.cli.settings import DRAFTING
+from specdecode.cli.settings import DEFAULT_N_PREDICT, DRAFTING
 from specdecode.config import (
     BACKENDS,
     DTYPE_NAMES,
@@ -147,6 +147,13 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
 def add_spec_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("speculation")
     group.add_argument("--spec-type", help="comma-separated strategies, tried cheapest first (listed below)")
+    group.add_argument(
+        "--speculative-config",
+        metavar="JSON",
+        help="the strategy and its model in vLLM's keys instead of -md, -me and --spec-type, e.g. "
+        '\'{"method": "draft_model", "model": "DRAFT", "num_speculative_tokens": 5}\' (methods: ngram, '
+        "draft_model, eagle3, suffix, and the --spec-type names)",
+    )
     group.add_argument(
         "--spec-policy",
         choices=SPEC_POLICIES,
@@ -345,14 +352,23 @@ def add_generate_parser(commands: argparse._SubParsersAction) -> None:
     )
     gen.add_argument("-p", "--prompt", help="prompt text")
     gen.add_argument("-f", "--file", help="read the prompt from a file")
-    gen.add_argument("-n", "--n-predict", type=int, default=128, help="tokens to generate, -1 until EOS")
+    gen.add_argument(
+        "-n",
+        "--n-predict",
+        type=int,
+        help=f"tokens to generate, -1 until EOS (default: {DEFAULT_N_PREDICT}; in a conversation, -1)",
+    )
     gen.add_argument("--stop", action="append", help="stop when this text appears (repeatable)")
     gen.add_argument(
         "--ignore-eos", action="store_true", help="keep generating past end-of-generation tokens"
     )
-    gen.add_argument("--stream", action="store_true", help="print text as tokens are accepted")
+    gen.add_argument(
+        "--stream",
+        action="store_true",
+        help="print text as tokens are accepted (always where stdout is a terminal, but for --json)",
+    )
     gen.add_argument("--json", action="store_true", help='print one JSON object {"text", "tokens", "stats"}')
-    add_chat_args(gen.add_argument_group("chat models"))
+    add_chat_args(gen.add_argument_group("chat models"), conversation=True)
     add_constraint_args(gen)
     add_model_args(gen)
     add_spec_args(gen)

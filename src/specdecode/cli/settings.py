@@ -9,11 +9,12 @@ modules are imported inside the functions that load models.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from specdecode.config import (
     DraftModelConfig,
@@ -25,12 +26,15 @@ from specdecode.config import (
     parse_spec_types,
 )
 from specdecode.errors import SpecdecodeError
+from specdecode.speculative_config import SpeculativeChoice
 
 if TYPE_CHECKING:
     from specdecode.api import Pipeline
     from specdecode.backends.options import LoadOptions
 
 DRAFTING = DraftModelConfig()  # llama.cpp's classic drafting defaults
+# generate's -n; a conversation (-cnv on a terminal) answers until its turn ends, as llama-cli's
+DEFAULT_N_PREDICT = 128
 
 
 def say(message: str) -> None:
@@ -209,42 +213,91 @@ def load_options(args: argparse.Namespace) -> tuple[LoadOptions, LoadOptions]:
     return target, draft
 
 
+def speculative_config_from_args(args: argparse.Namespace) -> dict[str, Any] | None:
+    """--speculative-config's JSON object (vLLM's speculative_config, see
+    `specdecode.speculative_config`), refused beside the flags that choose the strategy or its
+    model otherwise; None when not given."""
+    text = getattr(args, "speculative_config", None)
+    if text is None:
+        return None
+    for flag, value in (
+        ("-md/--model-draft", args.model_draft),
+        ("-me/--model-eagle3", args.model_eagle3),
+        ("--spec-type", args.spec_type),
+    ):
+        if value is not None:
+            raise SpecdecodeError(
+                f"--speculative-config chooses the strategy and its model: give it without {flag}"
+            )
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise SpecdecodeError(f"--speculative-config is not valid JSON: {exc}") from None
+    if not isinstance(config, dict):
+        example = '{"method": "ngram", "num_speculative_tokens": 5}'
+        raise SpecdecodeError(f"--speculative-config takes a JSON object, e.g. '{example}'")
+    tokens = config.get("num_speculative_tokens")
+    if tokens is not None and args.draft_max != DRAFTING.n_max and tokens != args.draft_max:
+        raise SpecdecodeError(
+            f"--spec-draft-n-max {args.draft_max} and --speculative-config's num_speculative_tokens "
+            f"{tokens} disagree: give the draft length once"
+        )
+    return config
+
+
 def pipeline_from_args(args: argparse.Namespace) -> Pipeline:
     """The pipeline the flags describe, each start-up phase said on stderr as it begins."""
     from specdecode.api import Pipeline
     from specdecode.defaults import resolve_eagle3, resolve_models
+    from specdecode.verdicts import start_verdicts
 
-    spec_types = parse_spec_types(args.spec_type) if args.spec_type is not None else None
-    if spec_types is None and args.model_eagle3 is not None:
-        # -me enables eagle3 as -md enables draft: both given, both run (draft first)
-        spec_types = (["draft"] if args.model_draft is not None else []) + ["eagle3"]
-    check_cache_files_used(args, spec_types)
-    head = resolve_eagle3(args.model, args.model_eagle3) if spec_types and "eagle3" in spec_types else None
-    args.model, args.model_draft = resolve_models(args.model, args.model_draft)
+    speculative = speculative_config_from_args(args)
+    if speculative is not None:  # read for the checks below; Pipeline.load reads it again
+        choice = SpeculativeChoice.read(speculative, draft_config(args), ngram_from_args(args))
+        check_cache_files_used(args, [choice.spec_type])
+        check_tree_flags(args, choice.spec_type == "draft", choice.spec_type == "eagle3")
+        # without -m, Pipeline.load takes the bundled target, and its draft or head where the
+        # config names no model
+        sources: dict[str, Any] = {"speculative_config": speculative}
+        model = args.model
+        args.model = resolve_models(args.model, None)[0]  # what the server reports
+    else:
+        spec_types = parse_spec_types(args.spec_type) if args.spec_type is not None else None
+        if spec_types is None and args.model_eagle3 is not None:
+            # -me enables eagle3 as -md enables draft: both given, both run (draft first)
+            spec_types = (["draft"] if args.model_draft is not None else []) + ["eagle3"]
+        check_cache_files_used(args, spec_types)
+        asks_eagle3 = spec_types is not None and "eagle3" in spec_types
+        head = resolve_eagle3(args.model, args.model_eagle3) if asks_eagle3 else None
+        args.model, args.model_draft = resolve_models(args.model, args.model_draft)
+        model = args.model
+        needs_draft = spec_types is None or "draft" in spec_types
+        check_tree_flags(args, needs_draft and args.model_draft is not None, head is not None)
+        sources = {
+            "draft": args.model_draft if needs_draft else None,
+            "eagle3": head,
+            "spec_types": spec_types,
+        }
     target_options, draft_options = load_options(args)
-    needs_draft = spec_types is None or "draft" in spec_types
-    check_tree_flags(args, needs_draft and args.model_draft is not None, head is not None)
     pipeline = Pipeline.load(
-        args.model,
-        args.model_draft if needs_draft else None,
-        eagle3=head,
+        model,
+        **sources,
         eagle3_layer_offset=args.eagle3_layer_offset,
         target_options=target_options,
         draft_options=draft_options,
         progress=say,
-        spec_types=spec_types,
         draft_config=draft_config(args),
         ngram=ngram_from_args(args),
         replacements=[tuple(pair) for pair in args.spec_replace] if args.spec_replace else None,
         spec_policy=args.spec_policy,
     )
     if pipeline.eagle3 is not None:
-        print(f"note: {pipeline.eagle3.layer_note}", file=sys.stderr)
+        print_note(pipeline.eagle3.layer_note)
     for backend in (pipeline.target, pipeline.draft):
         if getattr(backend, "dtype_note", None):  # the dtype "auto" chose, where the CPU decided it
-            print(f"note: {backend.dtype_note}", file=sys.stderr)
+            print_note(backend.dtype_note)
         if getattr(backend, "backend_note", None):  # the backend "auto" chose (llama.cpp or not)
-            print(f"note: {backend.backend_note}", file=sys.stderr)
+            print_note(backend.backend_note)
     # Backends whose rows may vary with the pass (llama.cpp's, the graph passes) say so up front
     # (asked by name: llama.cpp's module is imported only for GGUF files)
     row_variance_warning = getattr(pipeline.target, "row_variance_warning", None)
@@ -252,8 +305,15 @@ def pipeline_from_args(args: argparse.Namespace) -> Pipeline:
         config = pipeline.draft_config
         warning = row_variance_warning(trees=config.n_parallel > 1 or config.tree_tokens > 0)
         if warning is not None:
-            print(f"warning: {warning}", file=sys.stderr)
-    row_cap_note = getattr(pipeline.target, "row_cap_note", None)  # llama.cpp's drafts kept exact
-    if pipeline.spec_types and row_cap_note is not None and (note := row_cap_note()) is not None:
-        print(f"note: {note}", file=sys.stderr)
+            print_note(warning, "warning: ")
+    for verdict in start_verdicts(pipeline.target, pipeline.spec_types):  # llama.cpp's drafts kept exact
+        print_note(verdict.text)
     return pipeline
+
+
+def print_note(text: str, prefix: str = "note: ") -> None:
+    """A `note:` (or `warning:`) on stderr, in lines a terminal shows whole
+    (`specdecode.verdicts.note_lines`)."""
+    from specdecode.verdicts import note_lines
+
+    print("\n".join(note_lines(text, prefix)), file=sys.stderr)

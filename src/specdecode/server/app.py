@@ -48,6 +48,7 @@ from specdecode.server.schemas import (
 from specdecode.server.settings import ServerSettings
 from specdecode.server.slots import SlotPool
 from specdecode.server.tokens import Tokenizers, decode, pieces
+from specdecode.verdicts import start_verdicts
 
 Rendered = TypeVar("Rendered")
 
@@ -64,7 +65,7 @@ class Service(Answers):
         self.front = pipeline
         self.settings = settings
         self.n_ctx = pipeline.target.n_ctx
-        self.metrics = Metrics(pipeline.spec_types)
+        self.metrics = Metrics(pipeline.spec_types, start_verdicts(pipeline.target, pipeline.spec_types))
         rule = pipeline.load_rule() if pipeline.spec_types else None
         passes = DraftPasses() if pipeline.draft is not None or pipeline.eagle3 is not None else None
         forks = pipeline.forks(settings.parallel, passes)  # one context for all where the backend can
@@ -181,6 +182,12 @@ class Service(Answers):
             "modalities": {"vision": False, "audio": False},
             "build_info": f"specdecode {VERSION}",
             "is_sleeping": False,
+            "speculation": {
+                "policy": self.front.spec_policy,
+                "strategies": list(self.front.spec_types),
+                # why drafting is little or held short now (empty: it runs freely)
+                "verdicts": [verdict.to_dict() for verdict in self.metrics.speculation()],
+            },
         }
 
     async def slot_states(self) -> list[dict]:

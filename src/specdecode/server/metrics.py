@@ -1,7 +1,9 @@
 """Server counters in the Prometheus text format (GET /metrics), from GenerationStats.
 
 Generations run in the batch engine's thread, so recording takes a lock. Counters count since start;
-gauges (slots busy, requests waiting, resident memory) are read when scraped.
+gauges (slots busy, requests waiting, resident memory) are read when scraped. Why drafting was
+little or held short (`specdecode.verdicts`) is counted by reason, and the reasons in force (the
+latest generation's, and what was known at start) are an info metric with their numbers beside.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from specdecode.stats import GenerationStats
+from specdecode.stats import GenerationStats, SpeculationVerdict
+from specdecode.verdicts import merged
 
 if TYPE_CHECKING:
     from specdecode.strategies.suffix import SuffixStore
@@ -32,8 +35,12 @@ TOTALS = {
 
 
 class Metrics:
-    def __init__(self, strategies: Iterable[str]) -> None:
+    def __init__(self, strategies: Iterable[str], start: Iterable[SpeculationVerdict] = ()) -> None:
+        """start: what was known about drafting before any generation (`start_verdicts`)."""
         self._lock = threading.Lock()
+        self.start = list(start)
+        self.latest: list[SpeculationVerdict] = []  # the last generation's verdicts
+        self.verdicts: Counter[str] = Counter()  # generations whose drafting each reason limited
         self.requests: Counter[str] = Counter(dict.fromkeys(OUTCOMES, 0))
         self.totals: Counter[str] = Counter(dict.fromkeys(TOTALS, 0))
         self.drafted: Counter[str] = Counter({name: 0 for name in strategies})
@@ -59,6 +66,15 @@ class Metrics:
             for strategy in stats.strategies:
                 self.drafted[strategy.name] += strategy.counts.n_drafted
                 self.accepted[strategy.name] += strategy.counts.n_accepted
+            self.verdicts.update(verdict.code for verdict in stats.verdicts)
+            if stats.n_passes:  # one that stopped before a step says nothing of drafting
+                self.latest = list(stats.verdicts)
+
+    def speculation(self) -> list[SpeculationVerdict]:
+        """Why drafting is little or held short now: the latest generation's reasons, then those
+        known at start that it did not restate (empty where drafting runs freely)."""
+        with self._lock:
+            return merged(self.start, self.latest)
 
     def record_pass(self, sequences: int, rows: int, seconds: float) -> None:
         """A batched decode pass: how many sequences shared it, with how many rows."""
@@ -113,6 +129,14 @@ class Metrics:
             lines += _family(
                 "batch_size_mean", "gauge", "mean sequences per decode pass", "", {"": round(mean, 4)}
             )
+            lines += _family(
+                "speculation_verdicts_total",
+                "counter",
+                "generations whose drafting was little or held short, by reason",
+                "code",
+                self.verdicts,
+            )
+            lines += _speculation(merged(self.start, self.latest))
         lines += _family("slots", "gauge", "generation slots (--parallel)", "", {"": slots})
         lines += _family("requests_processing", "gauge", "slots generating now", "", {"": busy})
         lines += _family("requests_waiting", "gauge", "requests queued for a free slot", "", {"": waiting})
@@ -140,6 +164,29 @@ def _family(name: str, kind: str, help_text: str, label: str, values: dict) -> l
         labels = f'{{{label}="{key}"}}' if label else ""
         lines.append(f"{full}{labels} {value}")
     return lines
+
+
+def _speculation(verdicts: list[SpeculationVerdict]) -> list[str]:
+    """The reasons in force as an info metric (the sentence in a label), and their numbers."""
+    info, numbers = f"{PREFIX}_speculation_info", f"{PREFIX}_speculation_number"
+    lines = [
+        f"# HELP {info} why drafting is little or held short now (none: it runs freely)",
+        f"# TYPE {info} gauge",
+        *(f'{info}{{code="{v.code}",reason="{_label(v.text)}"}} 1' for v in verdicts),
+        f"# HELP {numbers} the measurements behind each reason",
+        f"# TYPE {numbers} gauge",
+    ]
+    for verdict in verdicts:
+        lines += [
+            f'{numbers}{{code="{verdict.code}",name="{name}"}} {round(value, 4)}'
+            for name, value in verdict.numbers.items()
+        ]
+    return lines
+
+
+def _label(text: str) -> str:
+    """A label value in the text format: backslashes, quotes and line ends escaped."""
+    return text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
 def resident_memory_bytes() -> int | None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from specdecode.backends import Backend
-from specdecode.config import PRIORITY, NgramSettings, parse_spec_types
+from specdecode.config import NEEDS_DRAFT, NEEDS_HEAD, PRIORITY, NgramSettings, parse_spec_types
 from specdecode.drafts import Draft
 from specdecode.errors import SpecdecodeError
 from specdecode.sampling import Sampler, SamplingParams
@@ -82,7 +82,7 @@ def _draft_sampler(setup: SpecSetup, stream: int) -> Sampler | None:
 
 def _build_draft_model(setup: SpecSetup) -> Strategy:
     if setup.draft_backend is None or setup.target is None:
-        raise SpecdecodeError("--spec-type draft-simple needs a draft model (-md DIR)")
+        raise SpecdecodeError(NEEDS_DRAFT)
     sampler = _draft_sampler(setup, 1)
     return DraftModelStrategy(
         setup.draft_backend,
@@ -96,7 +96,7 @@ def _build_draft_model(setup: SpecSetup) -> Strategy:
 
 def _build_eagle3(setup: SpecSetup) -> Strategy:
     if setup.eagle3_head is None or setup.target is None:
-        raise SpecdecodeError("--spec-type draft-eagle3 needs an EAGLE-3 head (-me DIR)")
+        raise SpecdecodeError(NEEDS_HEAD)
     return Eagle3Strategy(
         setup.eagle3_head, setup.target, setup.draft, _draft_sampler(setup, 2), setup.constraint
     )

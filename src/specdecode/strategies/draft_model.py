@@ -94,8 +94,8 @@ class DraftModelStrategy:
         self.keep_drafting: KeepDrafting | None = None  # set by a policy: replaces p_min
         if config.n_parallel > 1 and translator is not None:
             raise SpecdecodeError(
-                "--draft-n-parallel > 1 needs a draft of the target's vocabulary: tree nodes cannot be "
-                "translated through text (--spec-replace)"
+                "n_parallel > 1 (--draft-n-parallel) needs a draft of the target's vocabulary: tree nodes "
+                "cannot be translated through text (replacements=, --spec-replace)"
             )
 
     def begin(self, prompt: Sequence[int]) -> None:

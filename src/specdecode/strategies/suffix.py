@@ -386,7 +386,9 @@ def read_requests(path: Path, vocab_size: int | None) -> list[np.ndarray]:
     except OSError as exc:
         raise SpecdecodeError(f"cannot read suffix file {path}: {exc.strerror or exc}") from None
     if not raw.startswith(MAGIC):
-        raise SpecdecodeError(f"{path} is not a specdecode suffix file (written by --spec-suffix-file)")
+        raise SpecdecodeError(
+            f"{path} is not a specdecode suffix file (written by suffix_file=, --spec-suffix-file)"
+        )
     body = raw[len(MAGIC) :]
     if len(body) < _HEADER.itemsize:
         raise SpecdecodeError(f"invalid suffix file {path}: its header is cut short")
