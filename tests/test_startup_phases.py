@@ -138,6 +138,9 @@ def test_a_missing_draft_is_said_before_the_target_loads(files, monkeypatch, cap
     missing = files["base"].parent / "draft.gguf"
     assert main(["generate", "-m", str(files["chat.gguf"]), "-md", str(missing), "-p", "hi"]) == 2
     assert capsys.readouterr().err.splitlines()[-1] == f"error: GGUF file not found: {missing}"
+    head = files["base"].parent / "no-head"
+    assert main(["generate", "-m", str(files["chat"]), "-me", str(head), "-p", "hi"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == f"error: EAGLE-3 head directory not found: {head}"
 
 
 def test_the_template_is_read_from_each_kind_of_file(files, tmp_path):
@@ -312,6 +315,29 @@ def test_each_long_phase_has_its_line_before_ready_and_only_generation_follows(
     ]
     found = [next(i for i, event in enumerate(events) if event.startswith(phase)) for phase in phases]
     assert found == sorted(found), events
+
+
+def test_serve_reads_the_tokenizer_before_ready(files, monkeypatch, tmp_path):
+    """The server's routes need the target's tokenizer: built before "ready", not by the first
+    request (a GGUF file's takes minutes for a large vocabulary)."""
+    pytest.importorskip("llama_cpp")
+    pytest.importorskip("fastapi")
+    from specdecode.backends import gguf_files
+    from specdecode.server import serve
+
+    monkeypatch.setattr(gguf_files, "tokenizer_cache_dir", lambda: tmp_path / "tokenizers")
+    events: list[str] = []
+    import specdecode.cli.commands as commands
+    import specdecode.cli.settings as settings
+
+    monkeypatch.setattr(settings, "say", events.append)
+    monkeypatch.setattr(commands, "say", events.append)
+    monkeypatch.setattr(serve, "run", lambda pipeline, settings, sock: events.append("SERVING"))
+    argv = ["serve", "-m", str(files["chat.gguf"]), "--backend", "llama.cpp", "--port", "0"]
+    assert main([*argv, "--spec-type", "none"]) == 0
+    built = next(i for i, event in enumerate(events) if event.startswith("building chat.gguf's tokenizer"))
+    ready = next(i for i, event in enumerate(events) if event.startswith("ready in"))
+    assert built < ready and events[ready + 1 :] == ["SERVING"], events
 
 
 def test_the_api_hears_the_same_phases(files, tmp_path, monkeypatch):

@@ -196,6 +196,8 @@ class Pipeline:
                 check_model_path(source)
         if eagle3 is not None:
             check_not_hub_id(eagle3)  # heads are published on the Hub too
+            if not Path(eagle3).is_dir():  # said before the target loads, as a missing draft is
+                raise SpecdecodeError(f"EAGLE-3 head directory not found: {eagle3}")
         # a head's target may not go where auto runs other targets (see specdecode.backends.hf_gguf)
         use: Use = "hidden" if eagle3 is not None else "target"
         target = _load_model(model, tokenizer, target_options, "target", say, use)

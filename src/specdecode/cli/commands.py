@@ -205,6 +205,9 @@ def run_serve(args: argparse.Namespace) -> None:
     with serve.listen(args.host, args.port) as sock:
         pipeline = pipeline_from_args(args)
         settings = settings_from_args(args, pipeline, sampling)
+        # the routes' tokenizer (a GGUF file's is built on first use: minutes for a large
+        # vocabulary, said by the backend) before "ready", not in the first request
+        pipeline.target.tokenizer  # noqa: B018
         say(f"ready in {time.perf_counter() - started:.1f} s, serving on {serve.address(sock)}")
         serve.run(pipeline, settings, sock)
 
