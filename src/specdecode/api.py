@@ -40,7 +40,6 @@ from specdecode.config import (
     NgramSettings,
 )
 from specdecode.constraints import Constraint, ConstraintSpec
-from specdecode.costs import BATCH_CALIBRATION_ROWS, calibrate
 from specdecode.defaults import bundled_eagle3, bundled_pair
 from specdecode.errors import SpecdecodeError
 from specdecode.generate import Generation, GenerationConfig, chars_per_token, check_room, check_text_room
@@ -435,9 +434,7 @@ class Pipeline:
         if self.policy_models is not None:
             return None
         if self._load_rule is None:
-            fork = self.target.fork()
-            costs = calibrate(fork, BATCH_CALIBRATION_ROWS, store=False, prior_on_failure=True)
-            self._load_rule = LoadRule(costs)
+            self._load_rule = LoadRule.timed(self.target.fork())
         return self._load_rule
 
     def _translator(self, replacements: Sequence[tuple[str, str]] | None) -> VocabTranslator | None:

@@ -23,7 +23,6 @@ its part of the pass and of the drafting round (`PassShare`).
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -55,8 +54,6 @@ CALIBRATION_WEIGHT = 2.0  # passes each load-time timing counts as in the cost f
 FIT_DECAY = 0.98  # per pass run: the weight of older passes in the cost fit
 REFIT_EVERY = 8  # passes run between refits of the cost line (costs drift slowly)
 KNOT = 17  # rows where the pass cost's second slope starts (the longest pass timed at load)
-
-logger = logging.getLogger(__name__)
 
 
 class CostModel:
@@ -346,7 +343,6 @@ def calibrate(
     drafts: Mapping[str, Backend] | None = None,
     progress: Callable[[str], None] | None = None,
     store: bool = True,
-    prior_on_failure: bool = False,
 ) -> CostModel:
     """A cost model whose pass costs are timed on `backend` now (passes of `rows` rows), or,
     with `store`, read from an earlier run's timing of the same model on this machine
@@ -358,21 +354,13 @@ def calibrate(
     row) drafted 16 tokens at its first call, at 0.4x plain's speed.
 
     The adaptive policy's models are calibrated with the store (`PolicyModels.for_target`); the
-    classic batch rule times BATCH_CALIBRATION_ROWS without it, and with `prior_on_failure`:
-    where timing fails, the model starts from the prior and learns from the passes run (a
-    backend that cannot time a pass fails its requests, not this)."""
+    classic batch rule times BATCH_CALIBRATION_ROWS without it (`scheduler.LoadRule.timed`)."""
     say = progress or (lambda line: None)
     costs = CostModel()
-    try:
-        if store:
-            _timed_or_stored(costs, backend, rows, say)
-        else:
-            costs.calibrate(backend, rows)
-    except Exception as exc:
-        if not prior_on_failure:
-            raise
-        logger.warning("pass costs could not be timed (%s): starting from the prior", exc)
-        costs = CostModel()
+    if store:
+        _timed_or_stored(costs, backend, rows, say)
+    else:
+        costs.calibrate(backend, rows)
     for strategy, draft in (drafts or {}).items():
         now = time_passes(draft, DRAFT_TIMING_ROWS)  # as dear as checking stored steps
         steps = _stored_timings(draft, DRAFT_TIMING_ROWS) if store else None

@@ -28,6 +28,7 @@ greedy or seeded `match` answer equals the answer the same request gets alone.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections import deque
@@ -36,10 +37,13 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import TypeVar
 
+from specdecode.backends import Backend
 from specdecode.backends.batch import RowGroup, evaluate_each, score_alone, shares_passes
 from specdecode.backends.gather import DraftPasses, outcome
-from specdecode.costs import CostModel, PassLoad, PassShare
+from specdecode.costs import BATCH_CALIBRATION_ROWS, CostModel, PassLoad, PassShare, calibrate
 from specdecode.generate import Chunk, Generation, StepPlan
+
+logger = logging.getLogger(__name__)
 
 ACCEPTANCE_PRIOR = 0.6  # P(draft token kept | its parent was) before any sequence drafted
 ACCEPTANCE_WEIGHT = 4.0  # pseudo-observations behind a prior
@@ -127,6 +131,17 @@ class LoadRule:
 
     def __init__(self, costs: CostModel) -> None:
         self.costs = costs
+
+    @classmethod
+    def timed(cls, backend: Backend) -> LoadRule:
+        """A rule whose cost model times passes of up to 64 rows on `backend` (its cache is
+        left empty). Where timing fails, the rule starts from the cost model's prior and learns
+        from the passes run: a backend that cannot time a pass fails its requests, not this."""
+        try:
+            return cls(calibrate(backend, BATCH_CALIBRATION_ROWS, store=False))
+        except Exception as exc:
+            logger.warning("pass costs could not be timed (%s): starting from the prior", exc)
+            return cls(CostModel())
 
     def max_draft(self, batch: int, acceptance: float, draft_seconds: float) -> int | None:
         """The most draft tokens worth their price (None: no cap, every token pays)."""

@@ -43,7 +43,6 @@ from specdecode.backends.load import load_backend
 from specdecode.bench.machine import Machine, Stopwatch, dtype_of, machine_line
 from specdecode.bench.systems import ADAPTIVE
 from specdecode.bench.tasks import build_tasks
-from specdecode.costs import BATCH_CALIBRATION_ROWS, calibrate
 from specdecode.defaults import resolve_models
 from specdecode.errors import SpecdecodeError, require
 from specdecode.generate import Generation, GenerationConfig
@@ -122,7 +121,7 @@ def run(args: argparse.Namespace) -> None:
     prompts = [target.tokenize(p) for p in build_tasks(["completion"], args.prompts)[0].prompts]
     config = GenerationConfig(n_predict=args.n_predict, ignore_eos=True)
     draft_config = DraftModelConfig(n_max=args.draft_max, p_min=args.draft_p_min)
-    rule = LoadRule(calibrate(target.fork(), BATCH_CALIBRATION_ROWS, store=False, prior_on_failure=True))
+    rule = LoadRule.timed(target.fork())
     dtypes = {"target": dtype_of(target)} | ({"draft": dtype_of(draft)} if draft is not None else {})
     machine = Machine()
     console.print(
