@@ -5,14 +5,27 @@ the Markdown. It runs once on a GPU, with no second try, so this is its rehearsa
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
 
 import pytest
+import torch
 
+from specdecode.compare.gpu_baselines import (
+    ASSISTED,
+    COMPILED_LOOP,
+    DYNAMIC_GENERATE,
+    STATIC_GENERATE,
+    CompiledLoop,
+    strongest_baseline,
+)
+from specdecode.compare.gpu_check import goals
+from specdecode.compare.gpu_models import Run, random_model
 from specdecode.compare.gpu_report import Report
-from specdecode.compare.gpu_setup import ORACLE_SYSTEM, SECTIONS
+from specdecode.compare.gpu_roofline import bytes_per_token, datasheet_bandwidth, mean_context
+from specdecode.compare.gpu_setup import ORACLE_SYSTEM, PLAIN_SYSTEM, QUICK, SECTIONS, SHAPES, VS_PLAIN
 
 # What a GPU machine's system packages lack: the project's optional dependencies and dev tools
 # (torch, transformers with its own dependencies, safetensors, tokenizers and numpy are there).
@@ -72,10 +85,28 @@ def test_a_quick_cpu_run_writes_every_section(tmp_path):
         drafted[row["case"]] += row["drafted"]
     assert set(drafted) == {"draft chain", "draft tree", "n-gram", "batch plain", "batch draft chain"}
     assert all(count > 0 for case, count in drafted.items() if case != "batch plain"), drafted
-    systems = {row["system"] for row in sections["speed"]["rows"]}
-    assert {"transformers generate", "ours plain", ORACLE_SYSTEM, "ours batch of 4"} <= systems
-    oracle = next(row for row in sections["speed"]["rows"] if row["system"] == ORACLE_SYSTEM)
-    assert oracle["accepted"] == 1.0 and oracle["vs plain's output"] == "identical"
+    speed = sections["speed"]
+    rows = {row["system"]: row for row in speed["rows"]}
+    baselines = (COMPILED_LOOP, STATIC_GENERATE, DYNAMIC_GENERATE)
+    assert {PLAIN_SYSTEM, ORACLE_SYSTEM, ASSISTED, *baselines} <= set(rows)
+    assert rows["ours batch of 4"]["tokens/s"] > 0 and "x strongest baseline" not in rows["ours batch of 4"]
+    assert speed["bandwidth"][0]["MBU against"] == "measured copy"  # a CPU is in no datasheet table
+    # Every plain figure: three repeats' median and range, TTFT apart, against the roofline.
+    for system in (PLAIN_SYSTEM, *baselines):
+        row = rows[system]
+        assert row["repeats"] == 3 and re.fullmatch(r"\d+\.\d–\d+\.\d", row["decode tokens/s range"]), row
+        for column in ("decode tokens/s", "TTFT ms", "ms/token", "GB/token", "roofline tokens/s", "MBU"):
+            assert row[column] > 0, (system, column)
+        assert row["x strongest baseline"] > 0
+        assert system == PLAIN_SYSTEM or row[VS_PLAIN].startswith(("identical", "differs"))
+    assert rows[COMPILED_LOOP]["note"] == "not compiled (cpu)"
+    assert rows[COMPILED_LOOP]["compile + warm-up s"] >= 0
+    oracle = rows[ORACLE_SYSTEM]
+    assert oracle["accepted"] == 1.0 and oracle[VS_PLAIN] == "identical"
+    assert oracle["ceiling x our plain"] > 1 and "x strongest baseline" not in oracle
+    statuses = {row["goal"]: row["status"] for row in sections["goals"]["rows"]}
+    assert statuses["plain >= 1.1x the strongest baseline"] in ("met", "MISSED")
+    assert statuses["oracle ceiling >= 6x our plain"] in ("met", "MISSED")
     assert {row["status"] for row in sections["goals"]["rows"]} <= {"met", "MISSED", "not measured"}
     markdown = (tmp_path / "gpu_check.md").read_text()
     assert "| torch |" in markdown and "## goals" in markdown
@@ -90,13 +121,101 @@ def test_a_failing_part_is_recorded_and_a_spent_budget_skips_the_rest(tmp_path):
 
     with report.section("passes", budget=0.0):
         assert report.attempt("passes", "too late", int, "1") is None
+    with report.section("exactness", budget=100.0):
+        assert report.attempt("exactness", "past its share", int, "1", within=0.0) is None
+        assert report.attempt("exactness", "within its share", int, "1", within=100.0) == 1
     with report.section("speed"):
         assert report.attempt("speed", "a failure", fail) is None
         assert report.attempt("speed", "the next part", int, "1") == 1
         raise ValueError("the rest of the entry")
     assert report.data["sections"]["passes"]["skipped"] == ["too late"]
+    assert report.data["sections"]["exactness"]["skipped"] == ["past its share"]
     errors = [error["error"] for error in report.data["sections"]["speed"]["errors"]]
     assert errors == ["a failure: RuntimeError: out of memory", "speed: ValueError: the rest of the entry"]
     markdown = (tmp_path / "gpu_check.md").read_text()
     assert "skipped (time budget): too late" in markdown and "- ERROR a failure" in markdown
     assert json.loads((tmp_path / "gpu_check.json").read_text()) == report.data
+
+
+def test_bytes_per_token_match_the_roofline_arithmetic():
+    """128-token prompt and output, bfloat16: the weights once (a tied embedding read as the LM
+    head), an embedding row and the KV cache at the mean context."""
+    context = mean_context(128, 128)
+    assert context == 192
+    assert bytes_per_token(SHAPES["1b"], context) == pytest.approx(2.48e9, rel=0.01)
+    assert bytes_per_token(SHAPES["8b"], context) == pytest.approx(15.04e9, rel=0.01)
+
+
+@pytest.mark.parametrize(
+    ("name", "terabytes"),
+    [
+        ("NVIDIA H200", 4.8),
+        ("NVIDIA H100 80GB HBM3", 3.35),
+        ("NVIDIA H100 PCIe", 2.0),
+        ("NVIDIA A100-SXM4-80GB", 2.039),
+        ("NVIDIA A100 80GB PCIe", 1.935),
+        ("NVIDIA A100-PCIE-40GB", 1.555),
+        ("NVIDIA L40S", 0.864),
+        ("NVIDIA GeForce RTX 4090", 1.008),
+        ("NVIDIA GH200 480GB", None),  # not an H200: the measured copy stands in
+        ("none (cpu: x86_64)", None),
+    ],
+)
+def test_the_datasheet_bandwidth_is_looked_up_by_the_device_name(name, terabytes):
+    expected = None if terabytes is None else pytest.approx(terabytes * 1e12)
+    assert datasheet_bandwidth(name) == expected
+
+
+def speed_row(shape: str, system: str, rate: float, mode: str = "-", **extra) -> dict:
+    return {"shape": shape, "mode": mode, "system": system, "decode tokens/s": rate, **extra}
+
+
+def test_the_strongest_baseline_and_the_goals_read_against_it(tmp_path):
+    big, small = SHAPES["8b"].label, SHAPES["1b"].label
+    rows = [
+        speed_row(big, DYNAMIC_GENERATE, 15.0),
+        speed_row(big, STATIC_GENERATE, 150.0),
+        speed_row(big, COMPILED_LOOP, 200.0),
+        speed_row(big, PLAIN_SYSTEM, 230.0, "fixed", MBU=0.72, **{"roofline tokens/s": 319.0}),
+        speed_row(big, ORACLE_SYSTEM, 1000.0, "fixed"),
+        speed_row(small, DYNAMIC_GENERATE, 16.0),
+        speed_row(small, PLAIN_SYSTEM, 400.0, "fixed", MBU=0.2, **{"roofline tokens/s": 1937.0}),
+    ]
+    report = Report(tmp_path, {"gpu": "none"}, {})
+    report.data["sections"]["speed"] = {"seconds": 0.0, "errors": [], "skipped": [], "rows": rows}
+    assert strongest_baseline(report.data, big)["system"] == COMPILED_LOOP
+    assert "fallback" not in strongest_baseline(report.data, big)
+    fallback = strongest_baseline(report.data, small)
+    assert fallback["system"] == DYNAMIC_GENERATE and fallback["fallback"]
+    assert strongest_baseline(report.data, "tiny") is None
+    shapes = [SHAPES["8b"], SHAPES["1b"]]
+    run = Run(report, torch.device("cpu"), QUICK, [], [], ["fixed"], shapes)
+    with report.section("goals"):
+        goals(run)
+    found = {(row["shape"], row["goal"]): row for row in report.data["sections"]["goals"]["rows"]}
+    plain_big = found[big, "plain >= 1.1x the strongest baseline"]
+    assert plain_big["status"] == "met" and COMPILED_LOOP in plain_big["numbers"]
+    assert found[big, "plain MBU >= 65% of the roofline"]["status"] == "met"
+    assert found[big, "oracle ceiling >= 6x our plain"]["status"] == "MISSED"
+    assert found[small, "plain MBU >= 40% of the roofline"]["status"] == "MISSED"
+    assert "fallback" in found[small, "plain >= 1.1x the strongest baseline"]["numbers"]
+    assert found[small, "oracle ceiling >= 6x our plain"]["status"] == "not measured"
+
+
+def test_the_compiled_loop_decodes_as_transformers_generate():
+    """Its static cache, positions and one-token step, uncompiled as on a CPU: the same greedy
+    tokens as transformers' own generate on the same model."""
+
+    class OnCpu:
+        device = torch.device("cpu")
+
+        def sync(self) -> None:
+            """Nothing to wait for."""
+
+    model = random_model(SHAPES["tiny"], torch.device("cpu"))
+    prompt = list(range(2, 18))
+    timing = CompiledLoop(model, len(prompt) + 16, None).generate(OnCpu(), prompt, 16)
+    ids = torch.tensor([prompt])
+    expected = model.generate(ids, max_new_tokens=16, min_new_tokens=16, do_sample=False, pad_token_id=1)
+    assert timing.tokens == expected[0, len(prompt) :].tolist()
+    assert timing.decode_rate > 0 and 0 < timing.first < timing.seconds

@@ -25,7 +25,7 @@ no token (the logit bias bans every token the grammar allows) ends it too ("no a
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -125,6 +125,9 @@ class Generation:
     stats: GenerationStats = field(default_factory=GenerationStats)
     constraint: Constraint | None = None
     keep_logits: bool = False  # each Chunk carries its tokens' logits rows
+    # Told every step's draft and verdict (the prompt's pass: an empty draft), as acceptance
+    # traces record them (`specdecode.bench.traces`).
+    on_step: Callable[[Draft, Verdict], None] | None = None
 
     def __post_init__(self) -> None:
         check_room(self.prompt, -1 if self.config.context_shift else self.config.n_predict, self.target.n_ctx)
@@ -207,7 +210,10 @@ class Generation:
         self.stats.t_prompt = time.perf_counter() - self._start
         self._history = list(self.prompt)
         first = logits[0] if self.constraint is None else self.constraint.mask(logits[0])
-        return self._emit([self.sampler.sample(first, self._history)], Draft(), 0, first[None])
+        token = self.sampler.sample(first, self._history)
+        if self.on_step is not None:
+            self.on_step(Draft(), Verdict([token], []))
+        return self._emit([token], Draft(), 0, first[None])
 
     def step(self, max_draft: int | None = None) -> Chunk:
         """One draft -> verify -> accept round in a pass of its own."""
@@ -268,6 +274,8 @@ class Generation:
         if self.constraint is not None:
             logits = self.constraint.mask_rows(draft, logits)
         verdict = self._verify(draft, logits, [*history, last])
+        if self.on_step is not None:
+            self.on_step(draft, verdict)
         self._keep(history, last, draft, verdict.path)
         self.stats.t_verify += t_pass + time.perf_counter() - start
         n_accepted = len(verdict.path)

@@ -6,6 +6,7 @@ specdecode bench -m TARGET -md DRAFT --systems plain,draft,hf-plain,hf-assisted
 specdecode bench -m TARGET -md DRAFT -me HEAD --systems plain,draft,eagle3 --tasks completion
 specdecode bench --systems plain,draft,draft@adaptive   # a system's adaptive policy
 specdecode bench --systems plain,draft,draft@adaptive --static-grid 0.3,0.5,0.75:4,8,16
+specdecode bench --systems plain,draft,draft-tree --temp 0.8 --seed 1 --record-traces traces.jsonl
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from specdecode.bench.report import (
 )
 from specdecode.bench.suite import plan_size, run_suite
 from specdecode.bench.systems import (
+    OursSystem,
     Run,
     System,
     build_systems,
@@ -45,8 +47,10 @@ from specdecode.bench.systems import (
     quick_system_names,
     static_grid,
     system_names,
+    trace_facts,
 )
-from specdecode.bench.tasks import Task, as_chats, build_tasks, custom_task
+from specdecode.bench.tasks import Task, as_chats, build_tasks, custom_task, with_sampling
+from specdecode.bench.traces import TraceRecorder, check_trace_file, open_traces
 from specdecode.chat import chat_from_args, encode_rendered
 from specdecode.defaults import resolve_eagle3, resolve_models
 from specdecode.errors import SpecdecodeError, read_text_file, require
@@ -111,8 +115,22 @@ def grid_values(text: str | None) -> tuple[tuple[float, ...], tuple[int, ...]]:
 def bench_tasks(args: argparse.Namespace, per_task: int) -> list[Task]:
     prompts = list(args.prompt or []) + [read_text_file(name, "prompt file") for name in args.file or []]
     if prompts:
-        return [custom_task(prompts)]
-    return build_tasks([name.strip() for name in args.tasks.split(",") if name.strip()], per_task)
+        tasks = [custom_task(prompts)]
+    else:
+        tasks = build_tasks([name.strip() for name in args.tasks.split(",") if name.strip()], per_task)
+    return with_sampling(tasks, args.temp, args.seed)
+
+
+def trace_pair(args: argparse.Namespace) -> str:
+    """The models' short name in acceptance traces: "bundled" for the bundled pair, else the
+    target's file (or directory) name, and the draft's after a "+" (never a path)."""
+    if args.model is None:
+        return "bundled"
+
+    def short(path: Path) -> str:
+        return path.stem if path.suffix == ".gguf" else path.name
+
+    return short(args.model) + (f"+{short(args.model_draft)}" if args.model_draft else "")
 
 
 def load_models(
@@ -150,6 +168,8 @@ def run_bench(
     console = require("rich.console", "specdecode bench").Console(stderr=True)
     if not args.no_plots:
         require("matplotlib", "specdecode bench (without --no-plots)")
+    if args.record_traces is not None:  # a missing directory, said before any model loads
+        check_trace_file(args.record_traces)
     target, draft, eagle3 = load_models(args, target_options, draft_options)
     tokenize = target.tokenize
     if chat is not None:  # rendered and tokenized as generate --chat and the server do
@@ -188,9 +208,10 @@ def run_bench(
         header += f" / EAGLE-3 head {args.model_eagle3.name if args.model_eagle3 else '(bundled)'}"
     planned = plan_size(tasks, len(systems), chosen["runs"], chosen["warmup"], chosen["warm_once"])[1]
     stopped = False
-    with RunLog(args.out, results, f"{header}\n\n{machine_line(results['machine'])}", planned) as log:
+    log = RunLog(args.out, results, f"{header}\n\n{machine_line(results['machine'])}", planned)
+    with log, _traces(args, systems, tasks, target) as recorder:
         try:
-            _measure(tasks, systems, sweep_systems, tokenize, decode, chosen, console, log)
+            _measure(tasks, systems, sweep_systems, tokenize, decode, chosen, console, log, recorder)
         except KeyboardInterrupt:  # Ctrl-C: the tables and files of the runs done, then status 130
             stopped = True
     results["machine"] = _machine(machine, target, draft, eagle3)  # the load average after the runs
@@ -198,6 +219,25 @@ def run_bench(
     _report(args, header, systems, log, console, stopped)
     if stopped:
         raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def _traces(
+    args: argparse.Namespace, systems: list[System], tasks: list[Task], target: HFBackend
+) -> Iterator[TraceRecorder | None]:
+    """With --record-traces: its file open to append to, and the systems of ours keeping their
+    steps; else None."""
+    if args.record_traces is None:
+        yield None
+        return
+    ours = [system for system in systems if isinstance(system, OursSystem)]
+    for system in ours:
+        system.keep_steps = True
+    facts = {system.name: trace_facts(system) or {} for system in ours}
+    sessions = [task.name for task in tasks if task.follow_ups]
+    with open_traces(args.record_traces) as out:
+        vocab = target.vocab
+        yield TraceRecorder(out, trace_pair(args), vocab.size, vocab.eog_ids, facts, sessions)
 
 
 def _report(
@@ -254,9 +294,11 @@ def _measure(
     chosen: dict,
     console: Console,
     log: RunLog,
+    recorder: TraceRecorder | None = None,
 ) -> None:
     """The main suite, then the draft-max sweep on the first task's prompts, with one progress
-    display (see `_progress`), each measured run kept in `log` as it finishes."""
+    display (see `_progress`), each measured run kept in `log` as it finishes (and the suite's
+    traces by `recorder`)."""
     sizes = chosen["runs"], chosen["warmup"], chosen["warm_once"]
     total = plan_size(tasks, len(systems), *sizes)[0]
     if sweep_systems:
@@ -272,7 +314,7 @@ def _measure(
             warmup,
             advance,
             decode,
-            log.recorder("suite"),
+            log.recorder("suite") if recorder is None else recorder.wrap(log.recorder("suite")),
             warm_once,
         )
         if sweep_systems:

@@ -23,7 +23,8 @@ examples:
   specdecode bench --quick              # a first look: 5 systems, 1 prompt per task, a few CPU-minutes
   specdecode bench --out bench-results  # the full suite: 3 prompts per task, 128 tokens, 3 runs
   specdecode bench -m TARGET -md DRAFT --systems plain,draft,hf-plain,hf-assisted
-  specdecode bench --systems plain,draft,draft@adaptive --static-grid 0.3,0.5,0.75:4,8,16"""
+  specdecode bench --systems plain,draft,draft@adaptive --static-grid 0.3,0.5,0.75:4,8,16
+  specdecode bench --systems plain,draft,draft-tree --temp 0.8 --record-traces traces.jsonl"""
 
 
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -69,6 +70,16 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         type=int,
         help="uncounted rounds before each prompt (default: 1; --quick: before the first)",
     )
+    group.add_argument(
+        "--temp",
+        type=float,
+        metavar="T",
+        help="sample every task at temperature T, llama.cpp's other sampling defaults, `match` "
+        "verification (0: greedy; default: each task's own, greedy but free-t1's 1.0)",
+    )
+    group.add_argument(
+        "--seed", type=int, metavar="N", help="a sampled prompt's seed: N plus its index (default: 0 plus it)"
+    )
     add_drafting_args(group, DRAFTING.n_max, DRAFTING.p_min)
     group.add_argument(
         "--spec-draft-n-min",
@@ -110,6 +121,13 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         "--out", type=Path, default=Path("bench-results"), help="directory for JSON, Markdown, PNG"
     )
     group.add_argument("--no-plots", action="store_true", help="write no PNG files")
+    group.add_argument(
+        "--record-traces",
+        type=Path,
+        metavar="FILE",
+        help="append an acceptance trace of each measured run of ours to FILE (JSON Lines: what each "
+        "step drafted and kept, to replay through other models; see docs/benchmarks.md)",
+    )
     return parser
 
 

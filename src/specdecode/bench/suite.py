@@ -16,11 +16,13 @@ given its own answers, and its later turns' exactness says so.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from specdecode.bench.systems import Run, System
 from specdecode.bench.tasks import Task
+from specdecode.bench.traces import TraceStep
 from specdecode.errors import SpecdecodeError
+from specdecode.sampling import SamplingParams
 from specdecode.stats import GenerationStats
 
 
@@ -38,6 +40,9 @@ class Measurement:
     stats: GenerationStats | None
     sampled: bool = False  # the task samples (seeded) rather than decoding greedily
     turn: int = 0  # a session's turn
+    prompt_ids: list[int] = field(default_factory=list)  # the prompt the run read
+    sampling: SamplingParams | None = None
+    steps: list[TraceStep] | None = None  # each step's draft and verdict, where recorded
 
     @property
     def tokens_per_second(self) -> float:
@@ -104,7 +109,8 @@ def run_suite(
                     conversation: list[str] = []
                     for turn, message in enumerate(turns):
                         conversation.append(message)
-                        run = step(encode(task.conversation(conversation)), n_predict, sampling)
+                        ids = encode(task.conversation(conversation))
+                        run = step(ids, n_predict, sampling)
                         if decode is not None and turn + 1 < len(turns):
                             conversation.append(decode(run.tokens))
                         _check_length(run, n_predict, system.name, task.name, index)
@@ -124,6 +130,9 @@ def run_suite(
                                 run.stats,
                                 not sampling.greedy,
                                 turn,
+                                ids,
+                                sampling,
+                                run.steps,
                             )
                             measurements.append(measurement)
                             record(measurement)

@@ -25,6 +25,7 @@ from transformers.utils import logging as hf_logging
 from specdecode.api import BESIDE_A_DRAFT, Pipeline
 from specdecode.backends.hf import HFBackend
 from specdecode.bench.machine import Stopwatch
+from specdecode.bench.traces import TraceStep, record_steps
 from specdecode.errors import SpecdecodeError
 from specdecode.generate import GenerationConfig
 from specdecode.policy import PolicyModels
@@ -53,6 +54,7 @@ class Run:
     seconds: float
     cpu_seconds: float  # this process's CPU time over the run (see `bench.machine.Stopwatch`)
     stats: GenerationStats | None  # ours only: Hugging Face reports no counters
+    steps: list[TraceStep] | None = None  # ours, when recording acceptance traces
 
 
 class System(Protocol):
@@ -76,11 +78,21 @@ class OursSystem:
     family = "ours"
 
     def __init__(
-        self, name: str, make_pipeline: Callable[[], Pipeline], policy_models: PolicyModels | None = None
+        self,
+        name: str,
+        make_pipeline: Callable[[], Pipeline],
+        policy_models: PolicyModels | None = None,
+        spec_types: Sequence[str] = (),
+        tree: bool = False,
+        drafting: DraftModelConfig | None = None,
     ) -> None:
         self.name = name
         self.make_pipeline = make_pipeline
         self.policy_models = policy_models  # the adaptive policy's, shared by every run
+        self.spec_types = list(spec_types)  # its strategies' names (none: plain)
+        self.tree = tree  # drafts token trees
+        self.drafting = drafting  # its drafting settings
+        self.keep_steps = False  # keep each run's steps in its Run (acceptance traces)
 
     def run(self, prompt: list[int], n_predict: int, sampling: SamplingParams = GREEDY) -> Run:
         return self.session()(prompt, n_predict, sampling)
@@ -94,11 +106,16 @@ class OursSystem:
                 backend.truncate(0)
 
         def turn(prompt: list[int], n_predict: int, sampling: SamplingParams = GREEDY) -> Run:
+            config = GenerationConfig(n_predict=n_predict, ignore_eos=True)
             began = Stopwatch()
-            result = pipeline.generate(
-                prompt, sampling, GenerationConfig(n_predict=n_predict, ignore_eos=True)
-            )
-            return Run(result.tokens, *began.elapsed(), result.stats)
+            if not self.keep_steps:
+                result = pipeline.generate(prompt, sampling, config)
+                return Run(result.tokens, *began.elapsed(), result.stats)
+            generation = pipeline.stream(prompt, sampling, config)  # as generate runs it, steps kept
+            steps = record_steps(generation)
+            for _ in generation:
+                pass
+            return Run(generation.tokens, *began.elapsed(), generation.stats, steps)
 
         return turn
 
@@ -243,6 +260,9 @@ def _system(
             policy_models=models,
         ),
         models,
+        spec_types,
+        tree="draft-tree" in parts or "eagle3-tree" in parts,
+        drafting=config,
     )
 
 
@@ -310,4 +330,23 @@ def draft_max_systems(
         config = replace(draft_config, n_max=n_max, n_min=min(draft_config.n_min, n_max), n_parallel=1)
         return lambda: Pipeline(target, draft, spec_types=["draft"], draft_config=config)
 
-    return [OursSystem(f"draft-max {n_max}", pipeline_at(n_max)) for n_max in values]
+    return [OursSystem(f"draft-max {n_max}", pipeline_at(n_max), spec_types=["draft"]) for n_max in values]
+
+
+def trace_facts(system: System) -> dict | None:
+    """What an acceptance trace's header says of a system of ours (`bench --record-traces`):
+    its strategies ("spec", llama.cpp's "none" for plain), whether it drafts trees, and the
+    drafting settings of a model that drafts; None for Hugging Face's."""
+    if not isinstance(system, OursSystem):
+        return None
+    facts: dict = {"spec": ",".join(system.spec_types) or "none", "tree": system.tree}
+    config = system.drafting
+    if config is not None and {"draft", "eagle3"} & set(system.spec_types):
+        facts |= {"draft_n_max": config.n_max, "draft_n_min": config.n_min, "draft_p_min": config.p_min}
+        if config.n_parallel > 1:
+            facts |= {"draft_n_parallel": config.n_parallel, "draft_p_split": config.p_split}
+        if config.tree_tokens:
+            facts |= {"draft_tree_tokens": config.tree_tokens, "draft_tree_topk": config.tree_topk}
+    if system.spec_types:
+        facts["policy"] = "classic" if system.policy_models is None else "adaptive"
+    return facts

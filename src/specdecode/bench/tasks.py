@@ -66,6 +66,7 @@ class Task:
     # The prompt text of a conversation (the user's turns and the answers, alternating): the
     # turns one after the other, or a chat template's rendering (`as_chats`).
     conversation: Callable[[Sequence[str]], str] = "".join
+    seed: int = 0  # a sampled prompt's seed: this plus the prompt's index
 
     def prompt_text(self, prompt_index: int) -> str:
         """The first turn's prompt, as the model reads it."""
@@ -79,7 +80,7 @@ class Task:
     def sampling(self, prompt_index: int) -> SamplingParams:
         """Greedy, or sampled with a seed fixed per prompt: every run of every system on one
         prompt generates the same tokens, which is what the exactness column checks."""
-        return SamplingParams(temperature=self.temperature, seed=prompt_index)
+        return SamplingParams(temperature=self.temperature, seed=self.seed + prompt_index)
 
 
 @dataclass(frozen=True)
@@ -356,6 +357,16 @@ def as_chats(tasks: Sequence[Task], render: Callable[[Sequence[str]], str]) -> l
     """The tasks with each prompt the user's message of a chat (`bench --chat`), and a session's
     later turns further messages after the assistant's answers: `render` the conversation."""
     return [replace(task, conversation=render) for task in tasks]
+
+
+def with_sampling(tasks: Sequence[Task], temperature: float | None, seed: int | None) -> list[Task]:
+    """The tasks at one temperature (`bench --temp`: every task, free-t1 too; None: each its
+    own) with seeds counted from `seed` (`--seed`; None: from 0, the prompt's index)."""
+    if temperature is not None and temperature < 0:
+        raise SpecdecodeError(f"--temp must be >= 0 (0: greedy), not {temperature}")
+    changes: dict[str, float | int] = {} if temperature is None else {"temperature": temperature}
+    changes |= {} if seed is None else {"seed": seed}
+    return [replace(task, **changes) for task in tasks]
 
 
 def custom_task(prompts: Sequence[str]) -> Task:

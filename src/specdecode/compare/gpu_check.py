@@ -8,10 +8,15 @@ Sections (`--sections` picks some):
   pass, a tree pass or a batched pass and the one-row pass for the same position);
 - passes: what a pass costs by its rows, t(rows), for one sequence and for several sequences'
   rows in one pass, on random-weight models of Llama-3.2-1B's and Llama-3.1-8B's shapes;
-- speed: on those models, tokens/s of plain decoding against transformers' `generate`, of
-  speculation with the target as its own draft (an oracle drafting the known greedy
-  continuation: the ceiling our overhead allows; the model as draft model, against
-  transformers' assisted generation), of batches, and the share of a decode the GPU idles;
+- speed: on those models, batch-1 decode tokens/s (time to the first token apart; median and
+  range of three runs) of our plain decoding beside the memory-bandwidth roofline (MBU) and
+  against the strongest baseline torch and transformers allow (a compiled gpt-fast-style loop
+  and `generate` with a static cache; `gpu_baselines`); the oracle ceiling (the target drafting
+  its own known greedy continuation: the speed our per-step overhead allows), the model as its
+  own draft model, batches, and the share of a decode the GPU idles;
+- replay: speculation at those shapes under real acceptance: traces recorded on a CPU with real
+  pairs, replayed with every pass a real run makes (`gpu_replay`), after a calibration that
+  replays the bundled pair's own trace beside its real run;
 - goals: the plan's targets, met or missed, from the numbers above.
 
 Why it is built this way: it runs once, on a machine with only torch, triton, transformers,
@@ -23,7 +28,8 @@ measured. `--device cpu --quick` runs the whole of it on tiny shapes, to check t
 
 This module holds the goals section and the run; its settings are in `gpu_setup`, the report in
 `gpu_report`, the models and shared helpers in `gpu_models`, the sections in `gpu_exactness` and
-`gpu_speed` (passes and speed).
+`gpu_speed` (passes and speed, with `gpu_baselines` and the roofline's arithmetic in
+`gpu_roofline`) and `gpu_replay`.
 """
 
 from __future__ import annotations
@@ -40,18 +46,23 @@ import transformers
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from specdecode.backends.hf import DTYPES
+from specdecode.compare.gpu_baselines import strongest_baseline
 from specdecode.compare.gpu_exactness import exactness
 from specdecode.compare.gpu_models import Run, random_model, word_tokenizer
+from specdecode.compare.gpu_replay import CALIBRATION_GOAL, REPLAY_BUDGET, replay_section
 from specdecode.compare.gpu_report import Report, machine
 from specdecode.compare.gpu_setup import (
     FULL,
+    GOAL_EAGLE3,
     GOAL_IDLE,
+    GOAL_MBU,
     GOAL_ORACLE,
     GOAL_PLAIN,
     GRAPH_MODES,
     MODES,
     N_CTX,
     ORACLE_SYSTEM,
+    PLAIN_SYSTEM,
     QUICK,
     SECTIONS,
     SHAPES,
@@ -72,20 +83,24 @@ def goals(run: Run) -> None:
     shapes = list(dict.fromkeys(row["shape"] for row in speed_rows)) or [shape.label for shape in run.shapes]
     modes = list(dict.fromkeys(row["mode"] for row in speed_rows if row["mode"] != "-")) or run.timing_modes
     for shape in shapes:
-        hf = found.get((shape, "-", "transformers generate"), {}).get("tokens/s")
+        strongest = strongest_baseline(run.report.data, shape) or {}
+        against = strongest.get("system", "the strongest baseline")
+        against += " (fallback: no static-cache baseline ran)" if "fallback" in strongest else ""
         for mode in modes:
-            plain = found.get((shape, mode, "ours plain"), {})
-            oracle = found.get((shape, mode, ORACLE_SYSTEM), {}).get("tokens/s")
+            plain = found.get((shape, mode, PLAIN_SYSTEM), {})
+            rate = plain.get("decode tokens/s")
+            oracle = found.get((shape, mode, ORACLE_SYSTEM), {}).get("decode tokens/s")
             where = (run, shape, mode)
-            ratio_goal(
-                *where, f"plain >= {GOAL_PLAIN}x transformers generate", plain.get("tokens/s"), hf, GOAL_PLAIN
-            )
-            ratio_goal(
-                *where, f"oracle >= {GOAL_ORACLE}x our plain", oracle, plain.get("tokens/s"), GOAL_ORACLE
-            )
+            goal = f"plain >= {GOAL_PLAIN:g}x the strongest baseline"
+            ratio_goal(*where, goal, rate, strongest.get("decode tokens/s"), GOAL_PLAIN, against)
+            if shape in GOAL_MBU:
+                mbu_goal(*where, plain, GOAL_MBU[shape])
+            goal = f"oracle ceiling >= {GOAL_ORACLE:g}x our plain"
+            ratio_goal(*where, goal, oracle, rate, GOAL_ORACLE, "our plain")
             idle = plain.get("GPU idle")
             numbers, met = (None, None) if idle is None else (f"{100 * idle:.1f}% idle", idle <= GOAL_IDLE)
             add_goal(*where, f"GPU idle <= {100 * GOAL_IDLE:.0f}% of a plain decode", numbers, met)
+    replay_goals(run, sections.get("replay", {}))
     greedy = [row for row in sections.get("exactness", {}).get("rows", []) if row["sampling"] == "greedy"]
     goal = "greedy output identical to plain (or within rounding)"
     for dtype, mode in dict.fromkeys((row["dtype"], row["mode"]) for row in greedy):
@@ -103,14 +118,68 @@ def goals(run: Run) -> None:
 EXPLAINED = ("exact", "within rounding")
 
 
+def replay_goals(run: Run, replayed: dict) -> None:
+    """The replay's own checks (tokens per pass as recorded; the calibration's gap) and the
+    speed plan's EAGLE-3 target, from the replay section's tables."""
+    rows = [row for row in replayed.get("rows", []) if row.get("replayed tokens/pass") is not None]
+    goal = "replayed tokens/pass equal the recorded"
+    unequal = [row for row in rows if row["replayed tokens/pass"] != row["recorded tokens/pass"]]
+    numbers = f"{len(rows) - len(unequal)}/{len(rows)} rows equal" if rows else None
+    add_goal(run, "all", "-", goal, numbers, not unequal if rows else None)
+    gaps = [row["gap"] for row in replayed.get("calibration", []) if row.get("gap") is not None]
+    goal = f"calibration: replay within {100 * CALIBRATION_GOAL:.0f}% of the real run"
+    numbers = ", ".join(f"{100 * gap:+.1f}%" for gap in gaps) or None
+    add_goal(
+        run,
+        "bundled",
+        "-",
+        goal,
+        numbers,
+        all(abs(gap) <= CALIBRATION_GOAL for gap in gaps) if gaps else None,
+    )
+    measured = {shape.label for shape in run.shapes}
+    for shape, factor in GOAL_EAGLE3.items():
+        if shape not in measured:
+            continue
+        eagle = [
+            row["x ours plain"]
+            for row in rows
+            if row["shape"] == shape
+            and row["strategy"] == "eagle3"
+            and row["temperature"] == 0
+            and row.get("x ours plain") is not None
+        ]
+        goal = f"EAGLE-3 replay at temperature 0 >= {factor:g}x our plain"
+        numbers = ", ".join(f"{ratio:.2f}x" for ratio in eagle) or None
+        add_goal(run, shape, "-", goal, numbers, min(eagle) >= factor if eagle else None)
+
+
 def ratio_goal(
-    run: Run, shape: str, mode: str, goal: str, value: float | None, base: float | None, factor: float
+    run: Run,
+    shape: str,
+    mode: str,
+    goal: str,
+    value: float | None,
+    base: float | None,
+    factor: float,
+    base_name: str,
 ) -> None:
     if value is None or base is None:
         add_goal(run, shape, mode, goal, None, None)
     else:
-        numbers = f"{value / base:.2f}x ({value:.1f} vs {base:.1f} tokens/s)"
+        numbers = f"{value / base:.2f}x ({value:.1f} vs {base:.1f} decode tokens/s, {base_name})"
         add_goal(run, shape, mode, goal, numbers, value >= factor * base)
+
+
+def mbu_goal(run: Run, shape: str, mode: str, plain: dict, target: float) -> None:
+    """Our plain decode's share of the memory-bandwidth roofline."""
+    goal = f"plain MBU >= {100 * target:.0f}% of the roofline"
+    mbu = plain.get("MBU")
+    if mbu is None:
+        add_goal(run, shape, mode, goal, None, None)
+    else:
+        rates = f"{plain['decode tokens/s']:.1f} of {plain['roofline tokens/s']:.1f} tokens/s"
+        add_goal(run, shape, mode, goal, f"{100 * mbu:.1f}% ({rates})", mbu >= target)
 
 
 def add_goal(run: Run, shape: str, mode: str, goal: str, numbers: str | None, met: bool | None) -> None:
@@ -151,9 +220,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu")
     parser.add_argument(
-        "--shapes", help=f"random-weight model shapes, of {', '.join(SHAPES)} (default: 1b,8b; tiny on a CPU)"
+        "--shapes", help=f"random-weight model shapes, of {', '.join(SHAPES)} (default: 8b,1b; tiny on a CPU)"
     )
-    parser.add_argument("--dtypes", default="bfloat16,float32", help="the bundled pair's dtypes (exactness)")
+    parser.add_argument(
+        "--dtypes", default="bfloat16", help="the bundled pair's dtypes (exactness), e.g. bfloat16,float32"
+    )
     parser.add_argument(
         "--passes",
         help=f"passes modes, of {', '.join(MODES)} (default: on a GPU all for exactness and fixed,bucketed "
@@ -162,7 +233,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.sections = names(parser, args.sections, SECTIONS, "section")
     on_gpu = args.device.startswith("cuda")
-    args.shapes = names(parser, args.shapes or ("1b,8b" if on_gpu else "tiny"), tuple(SHAPES), "shape")
+    args.shapes = names(parser, args.shapes or ("8b,1b" if on_gpu else "tiny"), tuple(SHAPES), "shape")
     args.dtypes = names(parser, args.dtypes, tuple(DTYPES), "dtype")
     if args.passes is not None:
         args.exact_modes = args.timing_modes = names(parser, args.passes, MODES, "passes mode")
@@ -221,7 +292,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "exactness" in args.sections:
         with report.section("exactness", sizes.exactness_budget):
             exactness(run)
-    timings = {"passes": (pass_costs, sizes.passes_budget), "speed": (speed, sizes.speed_budget)}
+    replay_budget = REPLAY_BUDGET if device.type == "cuda" else None
+    timings = {
+        "passes": (pass_costs, sizes.passes_budget),
+        "speed": (speed, sizes.speed_budget),
+        "replay": (replay_section, replay_budget),
+    }
     timings = {name: entry for name, entry in timings.items() if name in args.sections}
     for shape in run.shapes if timings else []:
         with report.section("models"):

@@ -36,10 +36,60 @@ class Run:
     exact_modes: list[str]
     timing_modes: list[str]
     shapes: list[Shape]
+    bandwidth: float | None = None  # bytes/s that MBU is put against (set by the speed section)
 
     def sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    def shape_share(self, shape: Shape, budget: float | None) -> float | None:
+        """The seconds of a section's budget spent by the end of this shape's part: an equal
+        share per shape, plus what earlier shapes left. Only the most important parts of a
+        section may run past it (None: no limit)."""
+        if budget is None:
+            return None
+        return budget * (self.shapes.index(shape) + 1) / len(self.shapes)
+
+
+@dataclass(frozen=True)
+class Timing:
+    """One timed generation of a batch-1 decode: its tokens, its seconds and those to its first
+    token (the prompt's pass and the token it gives), so that decoding is timed apart."""
+
+    tokens: list[int]
+    seconds: float
+    first: float
+    idle: float | None = None  # the share of the seconds the GPU idled (None: not measured)
+
+    @property
+    def decode_rate(self) -> float:
+        """Tokens after the first over the seconds after it."""
+        return (len(self.tokens) - 1) / (self.seconds - self.first)
+
+
+class Clock:
+    """Times one generation against the device: from now to the first token, and to the end.
+    Every system is timed the same way: from the call to the first token on the host, and to
+    the last."""
+
+    def __init__(self, run: Run) -> None:
+        self.run = run
+        self.first: float | None = None
+        run.sync()
+        self.start = time.perf_counter()
+
+    def first_token(self) -> None:
+        """The first token is out (only the first call counts)."""
+        if self.first is None:
+            self.run.sync()
+            self.first = time.perf_counter() - self.start
+
+    def stop(self, tokens: list[int], idle: float | None = None) -> Timing:
+        self.run.sync()
+        seconds = time.perf_counter() - self.start
+        if self.first is None:
+            raise RuntimeError("the generation gave no first token to time")
+        return Timing(tokens, seconds, self.first, idle)
 
 
 def make_backend(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, mode: str, name: str) -> Backend:

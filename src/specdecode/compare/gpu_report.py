@@ -61,13 +61,17 @@ class Report:
             section["seconds"] = round(section["seconds"] + time.perf_counter() - start, 2)
             self.write()
 
-    def attempt(self, section: str, label: str, work: Callable[..., Any], *args: Any) -> Any:
+    def attempt(
+        self, section: str, label: str, work: Callable[..., Any], *args: Any, within: float | None = None
+    ) -> Any:
         """work(*args), or None once its error is recorded; skipped (None) when the section's
-        budget is spent."""
+        budget is spent, or the section has spent `within` seconds (a shape's share of it: less
+        important parts give way to the next shape's important ones)."""
         spent = self.data["sections"][section]["seconds"] + time.perf_counter() - self.entered[section]
-        if spent > self.budgets[section]:
+        limit = min(self.budgets[section], float("inf") if within is None else within)
+        if spent > limit:
             self.data["sections"][section]["skipped"].append(label)
-            self.log(f"{section}: skipped {label} (the section's {self.budgets[section]:.0f} s are spent)")
+            self.log(f"{section}: skipped {label} ({limit:.0f} s of the section are spent)")
             return None
         self.log(f"{section}: {label}")
         try:
@@ -114,6 +118,14 @@ def markdown_table(rows: list[dict]) -> list[str]:
     return lines
 
 
+SPEED_CAPTION = (
+    "greedy, end of generation ignored, batch 1 unless said: decode tokens/s = tokens after the first "
+    "over the seconds after it (median of the repeats; range min–max), TTFT apart; GB/token read at the "
+    "mean context, roofline tokens/s = bandwidth / GB/token, MBU = decode tokens/s / roofline tokens/s "
+    "(bandwidth: the table above); x strongest baseline: against the faster of the compiled loop and "
+    "static-cache generate; the oracle row is a ceiling (every draft kept), not a speed-up; batch rows: "
+    "several sequences sharing each pass, tokens/s of them all, prompts included"
+)
 # What each table of the Markdown shows, by (section, table).
 CAPTIONS = {
     ("exactness", "rows"): "outputs identical to plain generation's; differences: prompt, first differing "
@@ -122,7 +134,15 @@ CAPTIONS = {
     "and a batched pass and the one-row passes of plain generation at the same positions",
     ("models", "rows"): "random-weight models (bfloat16, built on the device)",
     ("passes", "rows"): "median ms of a pass after the cached prefix (first call: where graphs are captured)",
-    ("speed", "rows"): "tokens/s of one generation (prompt included), greedy, end of generation ignored",
+    ("speed", "rows"): SPEED_CAPTION,
+    ("speed", "bandwidth"): "memory bandwidth: the datasheet's (what MBU is put against, where the device is "
+    "known) and a measured device-to-device copy (bytes read and written over its seconds)",
+    ("replay", "calibration"): "calibration: the bundled pair generating for real on the device beside the "
+    "replay of its own trace through the same models (decode tokens/s; the gap should be within 5%)",
+    ("replay", "rows"): "recorded acceptance replayed at the shapes: every pass a real run makes, the "
+    "accept decisions and emitted ids from the trace (replayed tokens/pass must equal the recorded); "
+    "x ours plain and x strongest baseline against batch-1 decode tokens/s; predicted: the cost model's",
+    ("replay", "batches"): "replayed traces sharing each pass, tokens/s of them all",
     ("goals", "rows"): "the plan's targets",
 }
 

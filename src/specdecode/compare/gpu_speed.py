@@ -1,24 +1,28 @@
-"""The GPU check's timings: what a pass costs by its rows (the passes section) and end-to-end
-tokens/s (the speed section): our plain decoding against transformers' `generate`, the oracle
-and self-draft speculation, batches, and the share of a decode the GPU idles."""
+"""The GPU check's timings: what a pass costs by its rows (the passes section) and batch-1 decode
+tokens/s (the speed section): our plain decoding against the roofline and the strongest baseline
+(`gpu_baselines`), the oracle ceiling and self-draft speculation, batches, and the share of a
+decode the GPU idles."""
 
 from __future__ import annotations
 
+import statistics
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
-import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from specdecode.api import Pipeline
 from specdecode.backends import Backend
 from specdecode.backends.batch import RowGroup, evaluate_groups
 from specdecode.chain import Chain
+from specdecode.compare.gpu_baselines import ASSISTED, assisted_speed, baselines, compare_with_strongest
 from specdecode.compare.gpu_models import (
+    Clock,
     Run,
+    Timing,
     agreement,
     busy_seconds,
     make_backend,
@@ -26,7 +30,17 @@ from specdecode.compare.gpu_models import (
     random_ids,
     reset_busy,
 )
-from specdecode.compare.gpu_setup import ORACLE_DRAFT, ORACLE_SYSTEM, SEED, WARMUP_TOKENS, Shape, release
+from specdecode.compare.gpu_roofline import decode_columns, measure_bandwidth, plain_columns
+from specdecode.compare.gpu_setup import (
+    ORACLE_DRAFT,
+    ORACLE_SYSTEM,
+    PLAIN_SYSTEM,
+    SEED,
+    VS_PLAIN,
+    WARMUP_TOKENS,
+    Shape,
+    release,
+)
 from specdecode.drafts import Draft
 from specdecode.generate import Generation, GenerationConfig
 from specdecode.sampling import Sampler, SamplingParams
@@ -36,10 +50,12 @@ from specdecode.strategies import DraftModelConfig
 
 
 def pass_costs(run: Run, shape: Shape, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
-    for mode in run.timing_modes:
-        run.report.attempt(
-            "passes", f"{shape.label} {mode}", pass_costs_mode, run, shape, model, tokenizer, mode
-        )
+    """Mode by mode, the first whatever the shape's share of the budget: each shape gets one."""
+    share = run.shape_share(shape, run.sizes.passes_budget)
+    for index, mode in enumerate(run.timing_modes):
+        label = f"{shape.label} {mode}"
+        where = (run, shape, model, tokenizer, mode)
+        run.report.attempt("passes", label, pass_costs_mode, *where, within=share if index else None)
         release()
 
 
@@ -119,9 +135,15 @@ class OracleDrafter:
 
 
 def speed(run: Run, shape: Shape, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
+    """The most important figures first, so that the budget cuts the rest: our plain decode and
+    its oracle ceiling per mode, the baselines (the compiled loop first), then, within the
+    shape's share of the budget, self-draft, batches and transformers' assisted generation."""
     report = run.report
+    share = run.shape_share(shape, run.sizes.speed_budget)
+    if run.bandwidth is None:
+        report.attempt("speed", "memory bandwidth", measure_bandwidth, run)
     prompt = random_ids(shape.vocab, run.sizes.speed_prompt, SEED)
-    hf_tokens = report.attempt("speed", f"{shape.label} transformers", hf_speed, run, shape, model, prompt)
+    backends, plains = {}, {}
     for mode in run.timing_modes:
         label = f"{shape.label} {mode}"
         backend = report.attempt(
@@ -129,14 +151,29 @@ def speed(run: Run, shape: Shape, model: PreTrainedModel, tokenizer: PreTrainedT
         )
         if backend is None:
             continue
-        where = (run, shape, mode, backend)
-        plain = report.attempt("speed", f"{label} plain", plain_speed, *where, prompt, hf_tokens)
-        if plain is not None:
-            report.attempt("speed", f"{label} oracle", oracle_speed, *where, prompt, plain)
-            report.attempt("speed", f"{label} self-draft", self_draft_speed, *where, prompt, plain)
-        report.attempt("speed", f"{label} batches", batch_speed, *where)
-        del backend
-        release()
+        backends[mode] = backend
+        plains[mode] = report.attempt(
+            "speed", f"{label} plain", plain_speed, run, shape, mode, backend, prompt
+        )
+        if plains[mode] is not None:
+            report.attempt(
+                "speed", f"{label} oracle", oracle_speed, run, shape, mode, backend, prompt, plains[mode]
+            )
+    ours = next((plain["tokens"] for plain in plains.values() if plain is not None), None)
+    baselines(run, shape, model, prompt, ours)
+    for mode, backend in backends.items():
+        label, where = f"{shape.label} {mode}", (run, shape, mode, backend)
+        if plains[mode] is not None:
+            report.attempt(
+                "speed", f"{label} self-draft", self_draft_speed, *where, prompt, plains[mode], within=share
+            )
+        report.attempt("speed", f"{label} batches", batch_speed, *where, within=share)
+    report.attempt(
+        "speed", f"{shape.label} {ASSISTED}", assisted_speed, run, shape, model, prompt, ours, within=share
+    )
+    compare_with_strongest(run, shape)
+    del backends
+    release()
 
 
 def timed(run: Run, backend: Backend, call: Callable[[], Any]) -> tuple[Any, float, float | None]:
@@ -152,64 +189,37 @@ def timed(run: Run, backend: Backend, call: Callable[[], Any]) -> tuple[Any, flo
     return result, seconds, None if busy is None else 1.0 - busy / seconds
 
 
-def speed_row(shape: Shape, mode: str, system: str, tokens: int, seconds: float, **extra: Any) -> dict:
-    return {"shape": shape.label, "mode": mode, "system": system, "tokens/s": tokens / seconds, **extra}
+def timed_generation(
+    run: Run, backend: Backend, start: Callable[[], Generation]
+) -> tuple[Generation, Timing]:
+    """A generation of ours iterated to its end, timed as every batch-1 figure is: to its first
+    token and to its last, with the share of them the GPU idled."""
+    reset_busy(backend)
+    clock = Clock(run)
+    generation = start()
+    for _ in generation:
+        clock.first_token()
+    timing = clock.stop(list(generation.tokens))
+    busy = busy_seconds(backend)
+    return generation, replace(timing, idle=None if busy is None else 1.0 - busy / timing.seconds)
 
 
-def hf_speed(run: Run, shape: Shape, model: PreTrainedModel, prompt: list[int]) -> list[int]:
-    """transformers' `generate`, plain and assisted by the model itself (ORACLE_DRAFT tokens a
-    step, no confidence cut); returns the plain greedy output."""
-    new = run.sizes.speed_tokens
-    hf_generate(run, model, prompt, WARMUP_TOKENS, assisted=False)
-    tokens, seconds = hf_generate(run, model, prompt, new, assisted=False)
-    run.report.add("speed", speed_row(shape, "-", "transformers generate", new, seconds))
-    with assistant_settings(model):
-        hf_generate(run, model, prompt, WARMUP_TOKENS, assisted=True)
-        assisted, seconds = hf_generate(run, model, prompt, new, assisted=True)
-    row = speed_row(shape, "-", "transformers assisted (itself)", new, seconds)
-    row["vs plain's output"] = agreement(tokens, assisted)
-    run.report.add("speed", row)
-    return tokens
+def repeated(
+    run: Run, backend: Backend, start: Callable[[], Generation], resets: Sequence[Backend]
+) -> tuple[Generation, list[Timing]]:
+    """The timed repeats of a generation, each after `resets` are emptied (each evaluates its
+    prompt, as every baseline's does); the last generation, for its stats."""
+    timings = []
+    for _ in range(run.sizes.speed_repeats):
+        truncate_all(resets, 0)
+        generation, timing = timed_generation(run, backend, start)
+        timings.append(timing)
+    return generation, timings
 
 
-@torch.inference_mode()
-def hf_generate(
-    run: Run, model: PreTrainedModel, prompt: list[int], new_tokens: int, assisted: bool
-) -> tuple[list[int], float]:
-    ids = torch.tensor([prompt], device=run.device)
-    options: dict[str, Any] = {
-        "do_sample": False,
-        "max_new_tokens": new_tokens,
-        "min_new_tokens": new_tokens,  # random weights: no end of generation
-        "attention_mask": torch.ones_like(ids),
-        "pad_token_id": model.config.pad_token_id,
-    }
-    if assisted:
-        options["assistant_model"] = model
-    run.sync()
-    start = time.perf_counter()
-    out = model.generate(ids, **options)
-    run.sync()
-    return out[0, len(prompt) :].tolist(), time.perf_counter() - start
-
-
-@contextmanager
-def assistant_settings(model: PreTrainedModel) -> Iterator[None]:
-    """The assistant's drafting settings (read from its generation config: the model's own)."""
-    config = model.generation_config
-    settings = {
-        "num_assistant_tokens": ORACLE_DRAFT,
-        "num_assistant_tokens_schedule": "constant",
-        "assistant_confidence_threshold": 0.0,
-    }
-    saved = {name: getattr(config, name, None) for name in settings}
-    for name, value in settings.items():
-        setattr(config, name, value)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(config, name, value)
+def median_idle(timings: list[Timing]) -> float | None:
+    idle = [timing.idle for timing in timings if timing.idle is not None]
+    return statistics.median(idle) if idle else None
 
 
 def greedy_config(run: Run, tokens: int | None = None) -> GenerationConfig:
@@ -219,36 +229,27 @@ def greedy_config(run: Run, tokens: int | None = None) -> GenerationConfig:
 GREEDY = SamplingParams(temperature=0.0)
 
 
-def plain_speed(
-    run: Run, shape: Shape, mode: str, backend: Backend, prompt: list[int], hf_tokens: list[int] | None
-) -> dict:
+def plain_speed(run: Run, shape: Shape, mode: str, backend: Backend, prompt: list[int]) -> dict:
     """Our plain decoding; returns its row (the oracle drafts its output)."""
     pipe = Pipeline(backend)
     pipe.generate(prompt, GREEDY, greedy_config(run, WARMUP_TOKENS))
-    backend.truncate(0)  # the timed run evaluates its prompt, as transformers' does
-    result, seconds, idle = timed(run, backend, partial(pipe.generate, prompt, GREEDY, greedy_config(run)))
-    row = speed_row(shape, mode, "ours plain", len(result.tokens), seconds, **{"GPU idle": idle})
-    if hf_tokens is not None:
-        row["vs transformers' output"] = agreement(hf_tokens, result.tokens)
+    _, timings = repeated(run, backend, partial(pipe.stream, prompt, GREEDY, greedy_config(run)), [backend])
+    row = {"shape": shape.label, "mode": mode, "system": PLAIN_SYSTEM, **plain_columns(run, shape, timings)}
+    row["GPU idle"] = median_idle(timings)
     run.report.add("speed", row)
-    return {**row, "tokens": result.tokens}
+    return {**row, "tokens": timings[0].tokens}
 
 
 def oracle_speed(run: Run, shape: Shape, mode: str, backend: Backend, prompt: list[int], plain: dict) -> None:
     oracle = OracleDrafter([*prompt, *plain["tokens"]], ORACLE_DRAFT)
 
-    def generate(tokens: int) -> Generation:
-        generation = Generation(
-            backend, Chain([oracle]), Sampler(GREEDY), greedy_config(run, tokens), list(prompt)
-        )
-        for _ in generation:
-            pass
-        return generation
+    def generation(tokens: int) -> Generation:
+        return Generation(backend, Chain([oracle]), Sampler(GREEDY), greedy_config(run, tokens), list(prompt))
 
-    generate(2 * ORACLE_DRAFT + 2)  # warm-up: one full-length step at least
-    backend.truncate(0)
-    generation, seconds, idle = timed(run, backend, partial(generate, run.sizes.speed_tokens))
-    report_speculation(run, shape, mode, ORACLE_SYSTEM, generation, seconds, idle, plain)
+    for _ in generation(2 * ORACLE_DRAFT + 2):  # warm-up: one full-length step at least
+        pass
+    result, timings = repeated(run, backend, partial(generation, run.sizes.speed_tokens), [backend])
+    report_speculation(run, shape, mode, ORACLE_SYSTEM, result, timings, plain, "ceiling x our plain")
 
 
 def self_draft_speed(
@@ -258,9 +259,9 @@ def self_draft_speed(
     drafting = DraftModelConfig(n_max=ORACLE_DRAFT, p_min=0.0)
     pipe = Pipeline(backend, backend.fork(), spec_types=["draft"], draft_config=drafting)
     pipe.generate(prompt, GREEDY, greedy_config(run, 2 * ORACLE_DRAFT + 2))
-    truncate_all([backend, pipe.draft], 0)
-    result, seconds, idle = timed(run, backend, partial(pipe.generate, prompt, GREEDY, greedy_config(run)))
-    report_speculation(run, shape, mode, "ours draft model (itself)", result, seconds, idle, plain)
+    start = partial(pipe.stream, prompt, GREEDY, greedy_config(run))
+    result, timings = repeated(run, backend, start, [backend, pipe.draft])
+    report_speculation(run, shape, mode, "ours draft model (itself)", result, timings, plain, "x ours plain")
 
 
 def report_speculation(
@@ -268,18 +269,18 @@ def report_speculation(
     shape: Shape,
     mode: str,
     system: str,
-    result: Any,
-    seconds: float,
-    idle: float | None,
+    result: Generation,
+    timings: list[Timing],
     plain: dict,
+    ratio: str,
 ) -> None:
     stats = result.stats
-    row = speed_row(shape, mode, system, len(result.tokens), seconds)
-    row["x ours plain"] = row["tokens/s"] / plain["tokens/s"]
+    row = {"shape": shape.label, "mode": mode, "system": system, **decode_columns(timings)}
+    row[ratio] = row["decode tokens/s"] / plain["decode tokens/s"]
     row["tokens/pass"] = stats.tokens_per_pass
     row["accepted"] = stats.totals.acceptance_rate
-    row["GPU idle"] = idle
-    row["vs plain's output"] = agreement(plain["tokens"], result.tokens)
+    row["GPU idle"] = median_idle(timings)
+    row[VS_PLAIN] = agreement(plain["tokens"], result.tokens)
     run.report.add("speed", row)
 
 
@@ -296,5 +297,6 @@ def batch_speed(run: Run, shape: Shape, mode: str, backend: Backend) -> None:
         batch(warmup, config=greedy_config(run, WARMUP_TOKENS))
         results, seconds, idle = timed(run, backend, partial(batch, prompts, config=greedy_config(run)))
         tokens = sum(len(result.tokens) for result in results)
-        row = speed_row(shape, mode, f"ours batch of {count}", tokens, seconds, **{"GPU idle": idle})
+        row = {"shape": shape.label, "mode": mode, "system": f"ours batch of {count}", "tokens": tokens}
+        row.update({"tokens/s": tokens / seconds, "GPU idle": idle})
         run.report.add("speed", row)

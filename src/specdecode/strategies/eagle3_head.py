@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from specdecode.backends.hidden import capture, features
 
@@ -132,6 +133,19 @@ class MidLayer(nn.Module):
         x = torch.cat([self.input_layernorm(embedded), self.hidden_norm(g)], dim=-1)
         h = g + self.self_attn(x, positions, attend)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+
+# Every SDPA kernel but cuDNN's, which builds a new plan for each new shape: tens of
+# milliseconds for every new cache length a head attends over, on every step of a draft.
+NO_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """SDPA under a boolean mask; on CUDA without the cuDNN kernel (see NO_CUDNN)."""
+    if not q.is_cuda:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    with sdpa_kernel(NO_CUDNN):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
 def repeat_kv(x: torch.Tensor, times: int) -> torch.Tensor:
@@ -275,9 +289,7 @@ class Eagle3Head(nn.Module):
                 # query t (position start + t) sees keys 0..start + t
                 mask = torch.arange(keys.shape[2], device=device)[None] <= positions[rows, None]  # [T, S]
                 out.append(
-                    F.scaled_dot_product_attention(
-                        q[:, :, rows], repeat_kv(keys, groups), repeat_kv(values, groups), attn_mask=mask
-                    )
+                    masked_attention(q[:, :, rows], repeat_kv(keys, groups), repeat_kv(values, groups), mask)
                 )
                 first += n
             return torch.cat(out, dim=2)
@@ -297,9 +309,7 @@ class Eagle3Head(nn.Module):
 
         def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             keys, values = tree.cache.append(k, v)
-            return F.scaled_dot_product_attention(
-                q, repeat_kv(keys, groups), repeat_kv(values, groups), attn_mask=visible
-            )
+            return masked_attention(q, repeat_kv(keys, groups), repeat_kv(values, groups), visible)
 
         return self.layer(ids, g[None].to(self.fc.weight.dtype), positions, attend)[0]
 
