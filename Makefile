@@ -71,7 +71,8 @@ llama-invariant: setup
 		-DLLAMA_BUILD_COMMON=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF && \
 	cmake --build $(LLAMA_TOOLS)/invariant -j2 --target llama
 
-# The GPU check (exactness, pass costs, speed and the plan's goals on a CUDA GPU) into
+# The GPU check (exactness, pass costs, speed against the strongest baselines with MBU, replayed
+# real acceptance and the plan's goals on a CUDA GPU, about 8 minutes on an H200) into
 # build/gpu-check/gpu_check.{json,md}. It runs on the system's Python, without the venv: a GPU
 # machine has torch, transformers and their kin installed. GPU_CHECK_ARGS=--quick for smaller sizes.
 gpu-check:
