@@ -76,7 +76,8 @@ from specdecode.strategies.eagle3_layouts import default_layer_ids
 SECTION = "replay"
 REPLAY_BUDGET = 150.0  # seconds of the section on a GPU, both shapes
 TRACES = Path(__file__).with_name("acceptance_traces.jsonl")
-TRACES_PER_GROUP = {True: 1, False: 2}  # by --quick
+TRACES_PER_GROUP = 1  # a trace per (pair, strategy, task, temperature): the budget reaches more groups
+BUNDLED = "bundled"  # the bundled pair's name in the trace headers
 STRATEGY_ORDER = ("draft", "eagle3", "ngram-mod", "suffix")  # what the budget reaches first
 TREE = " tree"  # marks a group of tree traces: "draft tree", "eagle3 tree"
 BATCH_SHARE = 0.3  # of each shape's share of the budget: its batches
@@ -176,8 +177,10 @@ def strategy_rank(strategy: str) -> tuple[int, bool, str]:
 
 
 def group_order(key: Key) -> tuple:
+    """Greedy before sampled, then the real pair before the bundled one (whose greedy outputs
+    repeat a line, every strategy's easy case), then the strategies in their order."""
     pair, strategy, task, temperature = key
-    return (temperature, strategy_rank(strategy), task, pair)
+    return (temperature, pair == BUNDLED, strategy_rank(strategy), task, pair)
 
 
 # --------------------------------------------------------------------------- models
@@ -370,8 +373,7 @@ def reset(backends: Sequence[Backend]) -> None:
 
 def replay_group(run: Run, models: ShapeModels, key: Key, traces: list[Trace]) -> None:
     pair, strategy, task, temperature = key
-    quick = bool(run.report.data["settings"].get("quick"))
-    chosen = traces[: TRACES_PER_GROUP[quick]]
+    chosen = traces[:TRACES_PER_GROUP]
     target, drafters = models.target_for(strategy), models.drafters(strategy)
     measured = [target, *([drafters.draft] if drafters.draft is not None else [])]
     costs = models.costs()
