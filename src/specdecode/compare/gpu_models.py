@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 
 import torch
 from tokenizers import Tokenizer, pre_tokenizers
@@ -23,6 +24,7 @@ from specdecode.backends import Backend
 from specdecode.backends.load import native_backend
 from specdecode.compare.gpu_report import Report
 from specdecode.compare.gpu_setup import LLAMA3_ROPE, N_CTX, SEED, Shape, Sizes
+from specdecode.generate import Generation
 
 
 @dataclass
@@ -109,6 +111,43 @@ def reset_busy(backend: Backend) -> None:
         reset()
 
 
+def engines(backends: Sequence[Backend]) -> list[Backend]:
+    """One backend per engine: forks share one, whose GPU time is counted once."""
+    return list({getattr(backend, "pass_key", id(backend)): backend for backend in backends}.values())
+
+
+def start_gpu_timing(backends: Sequence[Backend]) -> None:
+    for backend in engines(backends):
+        reset_busy(backend)
+
+
+def gpu_seconds(backends: Sequence[Backend]) -> float | None:
+    """The GPU seconds of the engines' passes since `start_gpu_timing` (None: one does not measure them)."""
+    busy = [busy_seconds(backend) for backend in engines(backends)]
+    return None if None in busy else sum(busy)  # type: ignore[arg-type]
+
+
+def truncate_all(backends: Sequence[Backend], length: int) -> None:
+    for backend in backends:
+        backend.truncate(length)
+
+
+def timed_generation(
+    run: Run, backends: Sequence[Backend], start: Generation | Callable[[], Generation]
+) -> tuple[Generation, Timing]:
+    """A generation of ours iterated to its end, timed as every batch-1 figure is: to its first
+    token and to its last (from the call that makes it, where `start` is one), with the share
+    of them the GPU idled in the backends' passes."""
+    start_gpu_timing(backends)
+    clock = Clock(run)
+    generation = start if isinstance(start, Generation) else start()
+    for _ in generation:
+        clock.first_token()
+    timing = clock.stop(list(generation.tokens))
+    busy = gpu_seconds(backends)
+    return generation, replace(timing, idle=None if busy is None else 1.0 - busy / timing.seconds)
+
+
 def llama_config(shape: Shape) -> LlamaConfig:
     return LlamaConfig(
         vocab_size=shape.vocab,
@@ -131,15 +170,22 @@ def llama_config(shape: Shape) -> LlamaConfig:
 def random_model(shape: Shape, device: torch.device) -> LlamaForCausalLM:
     """Random bfloat16 weights made on the device itself: an 8B model's 16 GB are never
     initialised by a CPU."""
+    with random_weights(device):
+        model = LlamaForCausalLM(llama_config(shape))
+    return model.eval()
+
+
+@contextmanager
+def random_weights(device: torch.device) -> Iterator[None]:
+    """Modules made inside get seeded random bfloat16 weights, made on `device` itself."""
     torch.manual_seed(SEED)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
         with torch.device(device):
-            model = LlamaForCausalLM(llama_config(shape))
+            yield
     finally:
         torch.set_default_dtype(previous)
-    return model.eval()
 
 
 def word_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:

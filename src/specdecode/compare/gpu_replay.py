@@ -57,18 +57,20 @@ from specdecode.bench.traces import Trace, read_traces, record_steps
 from specdecode.compare.gpu_baselines import strongest_baseline
 from specdecode.compare.gpu_exactness import load_pair
 from specdecode.compare.gpu_models import (
-    Clock,
     Run,
     Timing,
-    busy_seconds,
+    gpu_seconds,
     make_backend,
     random_model,
-    reset_busy,
+    random_weights,
+    start_gpu_timing,
+    timed_generation,
+    truncate_all,
 )
-from specdecode.compare.gpu_setup import N_CTX, PLAIN_SYSTEM, PROMPTS, SEED, SHAPES, Shape, release
+from specdecode.compare.gpu_setup import N_CTX, PLAIN_SYSTEM, PROMPTS, SHAPES, Shape, release
 from specdecode.costs import CostModel, calibrate
 from specdecode.defaults import bundled_pair
-from specdecode.generate import Generation, GenerationConfig
+from specdecode.generate import GenerationConfig
 from specdecode.sampling import SamplingParams
 from specdecode.strategies.eagle3_head import Eagle3Config, Eagle3Head
 from specdecode.strategies.eagle3_layouts import default_layer_ids
@@ -273,46 +275,12 @@ def random_head(shape: Shape, model: PreTrainedModel, device: torch.device) -> E
         draft_vocab_size=min(HEAD_DRAFT_VOCAB, shape.vocab // 2),
         rope_theta=500000.0,
     )
-    torch.manual_seed(SEED)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device(device):
-            head = Eagle3Head(config, model.get_input_embeddings().weight)
-    finally:
-        torch.set_default_dtype(previous)
+    with random_weights(device):
+        head = Eagle3Head(config, model.get_input_embeddings().weight)
     return head.eval()
 
 
 # --------------------------------------------------------------------------- timing
-
-
-def engines(backends: Sequence[Backend]) -> list[Backend]:
-    """One backend per engine: forks share one, whose GPU time is counted once."""
-    return list({getattr(backend, "pass_key", id(backend)): backend for backend in backends}.values())
-
-
-def gpu_seconds(backends: Sequence[Backend]) -> float | None:
-    """The GPU seconds of the engines' passes since `start_gpu_timing` (None: one does not measure them)."""
-    busy = [busy_seconds(backend) for backend in engines(backends)]
-    return None if None in busy else sum(busy)  # type: ignore[arg-type]
-
-
-def start_gpu_timing(backends: Sequence[Backend]) -> None:
-    for backend in engines(backends):
-        reset_busy(backend)
-
-
-def timed_generation(run: Run, backends: Sequence[Backend], generation: Generation) -> Timing:
-    """A generation iterated to its end, timed as the speed section times every batch-1 figure
-    (to its first token, and to its last), with the share the GPU idled in the backends' passes."""
-    start_gpu_timing(backends)
-    clock = Clock(run)
-    for _ in generation:
-        clock.first_token()
-    timing = clock.stop(list(generation.tokens))
-    busy = gpu_seconds(backends)
-    return replace(timing, idle=None if busy is None else 1.0 - busy / timing.seconds)
 
 
 @dataclass
@@ -362,12 +330,6 @@ class Totals:
         }
 
 
-def reset(backends: Sequence[Backend]) -> None:
-    """Empty the caches: a timed replay evaluates its prompt, as the recording did."""
-    for backend in backends:
-        backend.truncate(0)
-
-
 # --------------------------------------------------------------------------- one group
 
 
@@ -378,14 +340,14 @@ def replay_group(run: Run, models: ShapeModels, key: Key, traces: list[Trace]) -
     measured = [target, *([drafters.draft] if drafters.draft is not None else [])]
     costs = models.costs()
     if strategy not in models.warm:  # the first replay of a strategy captures its passes' graphs
-        reset(measured)
+        truncate_all(measured, 0)
         replay(chosen[0], target, drafters)
         models.warm.add(strategy)
     totals = Totals()
     for trace in chosen:
-        reset(measured)
+        truncate_all(measured, 0)
         generation = replay_generation(trace, target, drafters)
-        timing = timed_generation(run, measured, generation)
+        _, timing = timed_generation(run, measured, generation)
         if drafters.head is not None:  # the head's kernels are not timed: the idle share is unknown
             timing = replace(timing, idle=None)
         totals.add(result_of(generation), timing)
@@ -477,7 +439,7 @@ def replay_batches(run: Run, models: ShapeModels, strategy: str, traces: list[Tr
     backends += [d.draft for _, d in seats.seats if d.draft is not None]
     replay_batch([replace(trace, steps=trace.steps[: 1 + WARMUP_STEPS]) for trace in chosen], seats)
     chosen = [replace(trace, steps=trace.steps[: 1 + BATCH_STEPS]) for trace in chosen]
-    reset(backends)
+    truncate_all(backends, 0)
     start_gpu_timing(backends)
     run.sync()
     start = time.perf_counter()
@@ -555,11 +517,11 @@ def real_and_replayed(
     """A real generation timed while its trace is recorded, then the trace replayed through the
     same models: the trace, the two decode tokens/s, and the steps the target decided as recorded."""
     backends = [pipe.target, pipe.draft]
-    reset(backends)  # type: ignore[arg-type]
+    truncate_all(backends, 0)  # type: ignore[arg-type]
     trace, timing = record(run, pipe, prompt, config)
-    reset(backends)  # type: ignore[arg-type]
+    truncate_all(backends, 0)  # type: ignore[arg-type]
     generation = replay_generation(trace, pipe.target, drafters)
-    replayed = timed_generation(run, backends, generation)  # type: ignore[arg-type]
+    _, replayed = timed_generation(run, backends, generation)  # type: ignore[arg-type]
     result = result_of(generation)
     check_replay(result)
     return trace, timing.decode_rate, replayed.decode_rate, result.n_agreed
@@ -569,7 +531,7 @@ def record(run: Run, pipe: Pipeline, prompt: list[int], config: GenerationConfig
     """A real generation of the pipeline (classic draft chains, greedy), timed, as its trace."""
     generation = pipe.stream(prompt, SamplingParams(temperature=0.0), config)
     steps = record_steps(generation)
-    timing = timed_generation(run, [pipe.target, pipe.draft], generation)  # type: ignore[list-item]
+    _, timing = timed_generation(run, [pipe.target, pipe.draft], generation)  # type: ignore[list-item]
     meta = {
         "pair": "bundled",
         "spec": "draft",

@@ -66,26 +66,21 @@ def datasheet_bandwidth(device_name: str) -> float | None:
     return None
 
 
-def copy_bandwidth(device: torch.device) -> float:
+def copy_bandwidth(run: Run) -> float:
     """Bytes/s of a device-to-device copy (bytes read plus bytes written, median of the
     repeats): what the memory gives a kernel that only streams."""
-    size = COPY_BYTES.get(device.type, COPY_BYTES["cpu"])
-    source = torch.empty(size, dtype=torch.uint8, device=device)
+    size = COPY_BYTES.get(run.device.type, COPY_BYTES["cpu"])
+    source = torch.empty(size, dtype=torch.uint8, device=run.device)
     target = torch.empty_like(source)
     target.copy_(source)  # warm-up
     samples = []
     for _ in range(COPY_REPEATS):
-        synchronize(device)
+        run.sync()
         start = time.perf_counter()
         target.copy_(source)
-        synchronize(device)
+        run.sync()
         samples.append(time.perf_counter() - start)
     return 2 * size / statistics.median(samples)
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def measure_bandwidth(run: Run) -> None:
@@ -94,7 +89,7 @@ def measure_bandwidth(run: Run) -> None:
     name = str(run.report.data["machine"]["gpu"])
     datasheet = datasheet_bandwidth(name)
     run.bandwidth = datasheet  # a copy that fails below still leaves the datasheet's figure
-    copy = copy_bandwidth(run.device)
+    copy = copy_bandwidth(run)
     run.bandwidth = datasheet or copy
     row = {
         "device": name,

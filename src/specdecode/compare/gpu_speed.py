@@ -8,7 +8,6 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -20,7 +19,6 @@ from specdecode.backends.batch import RowGroup, evaluate_groups
 from specdecode.chain import Chain
 from specdecode.compare.gpu_baselines import ASSISTED, assisted_speed, baselines, compare_with_strongest
 from specdecode.compare.gpu_models import (
-    Clock,
     Run,
     Timing,
     agreement,
@@ -29,6 +27,8 @@ from specdecode.compare.gpu_models import (
     median_seconds,
     random_ids,
     reset_busy,
+    timed_generation,
+    truncate_all,
 )
 from specdecode.compare.gpu_roofline import decode_columns, measure_bandwidth, plain_columns
 from specdecode.compare.gpu_setup import (
@@ -96,11 +96,6 @@ def pass_costs_mode(
             ]
             reset = partial(truncate_all, forks[:count], sizes.prefix)
             add("evaluate_groups", count, rows, median_seconds(run, partial(evaluate_groups, groups), reset))
-
-
-def truncate_all(backends: Sequence[Backend], length: int) -> None:
-    for backend in backends:
-        backend.truncate(length)
 
 
 # --------------------------------------------------------------------------- end-to-end speed
@@ -189,21 +184,6 @@ def timed(run: Run, backend: Backend, call: Callable[[], Any]) -> tuple[Any, flo
     return result, seconds, None if busy is None else 1.0 - busy / seconds
 
 
-def timed_generation(
-    run: Run, backend: Backend, start: Callable[[], Generation]
-) -> tuple[Generation, Timing]:
-    """A generation of ours iterated to its end, timed as every batch-1 figure is: to its first
-    token and to its last, with the share of them the GPU idled."""
-    reset_busy(backend)
-    clock = Clock(run)
-    generation = start()
-    for _ in generation:
-        clock.first_token()
-    timing = clock.stop(list(generation.tokens))
-    busy = busy_seconds(backend)
-    return generation, replace(timing, idle=None if busy is None else 1.0 - busy / timing.seconds)
-
-
 def repeated(
     run: Run, backend: Backend, start: Callable[[], Generation], resets: Sequence[Backend]
 ) -> tuple[Generation, list[Timing]]:
@@ -212,7 +192,7 @@ def repeated(
     timings = []
     for _ in range(run.sizes.speed_repeats):
         truncate_all(resets, 0)
-        generation, timing = timed_generation(run, backend, start)
+        generation, timing = timed_generation(run, [backend], start)
         timings.append(timing)
     return generation, timings
 
