@@ -354,6 +354,43 @@ def eagle3_head(steps: int = 200, draft_vocab: int = 200, layer_ids: tuple[int, 
     return head.eval().requires_grad_(False)
 
 
+DFLASH_LAYERS = (1, 3)  # layer inputs that llama.cpp hands out too (not the last output, 4)
+
+
+@functools.cache
+def dflash_head(steps: int = 400, block_size: int = 5):
+    """A float64 DFlash drafter for `eagle3_target()` (mask id VOCAB_SIZE - 1), trained for a
+    few seconds with the block loss on the target's generations: it agrees with the target now
+    and then (about one drafted token in ten), not always."""
+    from specdecode.train.config import DFlashShape
+    from specdecode.train.dflash import dflash_loss, new_head
+    from specdecode.train.lm import sample_batch
+
+    target = eagle3_target()
+    tokens = eagle3_corpus()
+    shape = DFlashShape(
+        heads=4,
+        kv_heads=2,
+        head_dim=8,
+        intermediate=64,
+        block_size=block_size,
+        anchors=8,
+        layer_ids=DFLASH_LAYERS,
+        mask_token_id=VOCAB_SIZE - 1,
+    )
+    head = new_head(target, shape, seed=0)
+    loss_fn = dflash_loss(target, shape.anchors)
+    optimizer = torch.optim.Adam(head.parameters(), lr=3e-3)
+    generator = torch.Generator().manual_seed(0)
+    head.train()
+    for _ in range(steps):
+        loss = loss_fn(head, sample_batch(tokens, 8, 32, generator))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return head.eval().requires_grad_(False)
+
+
 def chi_square_pvalue(counts: dict, expected: dict[object, float]) -> float:
     """Goodness of fit of `counts` (cell -> n) to `expected` (cell -> probability).
 

@@ -291,8 +291,13 @@ def test_speculative_config_mistakes(models, config, message):
 
 def test_speculative_config_chooses_alone(models):
     target, draft, tokenizer = models
-    for extra in ({"draft": draft}, {"eagle3": "head"}, {"spec_types": ["ngram-simple"]}):
-        with pytest.raises(SpecdecodeError, match="give it without draft=, eagle3= or spec_types="):
+    for extra in (
+        {"draft": draft},
+        {"eagle3": "head"},
+        {"dflash": "drafter"},
+        {"spec_types": ["ngram-simple"]},
+    ):
+        with pytest.raises(SpecdecodeError, match="give it without draft=, eagle3=, dflash= or spec_types="):
             Pipeline.load(target, tokenizer=tokenizer, speculative_config={"method": "ngram"}, **extra)
 
 

@@ -162,7 +162,8 @@ def test_llama_cpp_names_and_the_older_ones_parse_alike():
     assert parse_spec_types("draft-simple") == parse_spec_types("draft") == ["draft"]
     assert parse_spec_types("draft-eagle3, ngram-mod") == parse_spec_types("eagle3,ngram-mod")
     assert parse_spec_types("ngram-mod,draft-eagle3") == ["ngram-mod", "eagle3"]
-    with pytest.raises(specdecode.SpecdecodeError, match="draft-simple, draft-eagle3, forced"):
+    assert parse_spec_types("draft-dflash") == parse_spec_types("dflash") == ["dflash"]
+    with pytest.raises(specdecode.SpecdecodeError, match="draft-simple, draft-eagle3, draft-dflash"):
         parse_spec_types("draft-bogus")
     parser = build_parser()
     pairs = [

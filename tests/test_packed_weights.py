@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 
 from specdecode.backends import packed_weights
 from specdecode.backends.packed_weights import MAGIC, materialize, pack, read_index, unpack
-from specdecode.defaults import BUNDLED, bundled_eagle3, bundled_pair
+from specdecode.defaults import BUNDLED, bundled_dflash, bundled_eagle3, bundled_pair
 from specdecode.errors import SpecdecodeError
 
 ROOT = Path(__file__).parents[1]
@@ -27,6 +27,7 @@ BUNDLED_SHA256 = {
     "target": "5cc6189092c4375e7292f6a6c0b32660c4ea40a31149ba3bb8ade6b6aae7fe7f",
     "draft": "b6358f67a5062d6b968ecd0f5c4b249a77745b5a9ab683098354ee6971ee5525",
     "eagle3": "852a1e85d655ef10505870cdb22b921f9c41642f22dddaa290586cd45f222f5b",
+    "dflash": "da361e8f661a253bccef70d22e48c01ebb119d7b239a219e585566df9472e1a9",
 }
 
 
@@ -196,9 +197,9 @@ def test_the_bundled_models_decode_to_exactly_the_files_they_were(cache):
     if not (BUNDLED / "target" / "model.safetensors.packed").is_file():
         pytest.skip("this installation carries no bundled models")
     target, draft = bundled_pair()
-    head = bundled_eagle3()
-    assert head is not None
-    for role, directory in (("target", target), ("draft", draft), ("eagle3", head)):
+    head, drafter = bundled_eagle3(), bundled_dflash()
+    assert head is not None and drafter is not None
+    for role, directory in (("target", target), ("draft", draft), ("eagle3", head), ("dflash", drafter)):
         assert directory.parent == cache
         assert sha256(directory / "model.safetensors") == BUNDLED_SHA256[role], role
     assert (draft / "tokenizer.json").read_bytes() == (BUNDLED / "target" / "tokenizer.json").read_bytes()

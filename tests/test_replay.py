@@ -23,8 +23,15 @@ from specdecode.bench.replay import (
     replay_context,
 )
 from specdecode.bench.traces import Trace, mapped_ids, parse_traces, read_traces, record_steps, write_traces
-from specdecode.compare.gpu_models import Run, random_model, word_tokenizer
-from specdecode.compare.gpu_replay import SECTION, TINY_DRAFTER, TRACES, random_head, replay_section
+from specdecode.compare.gpu_models import (
+    Run,
+    random_dflash,
+    random_head,
+    random_model,
+    random_mtp,
+    word_tokenizer,
+)
+from specdecode.compare.gpu_replay import SECTION, TINY_DRAFTER, TRACES, replay_section
 from specdecode.compare.gpu_report import Report
 from specdecode.compare.gpu_setup import PROMPTS, QUICK, SHAPES
 from specdecode.config import NgramModConfig, NgramSettings
@@ -33,6 +40,9 @@ from specdecode.generate import GenerationConfig
 from specdecode.sampling import SamplingParams
 from specdecode.strategies import DraftModelConfig
 from specdecode.strategies.eagle3_checkpoint import load_head
+from specdecode.train.dflash import DFlashShape
+from specdecode.train.dflash import new_head as new_dflash
+from specdecode.train.mtp import new_layer as new_mtp
 
 N_PREDICT = 24
 CPU = torch.device("cpu")
@@ -74,6 +84,12 @@ def traces(bundled: Pipeline) -> dict[str, Trace]:
     eagle3 = Pipeline(target, eagle3=load_head(bundled_eagle3(), target), spec_types=["eagle3"])
     ngram = Pipeline(target, spec_types=["ngram-mod"], ngram=SHORT_NGRAMS)
     suffix = Pipeline(target, spec_types=["suffix"])
+    # Untrained drafters (the MTP layer starts as the target's last layer), drafting at p_min 0:
+    # they draft, which is all a replay's bookkeeping needs.
+    unsure = DraftModelConfig(p_min=0.0, n_max=6)
+    dflash_head = new_dflash(target.model, DFlashShape(mask_token_id=3), seed=0)
+    dflash = Pipeline(target, dflash=dflash_head, spec_types=["dflash"], draft_config=unsure)
+    mtp = Pipeline(target, mtp=new_mtp(target.model, seed=0), spec_types=["mtp"], draft_config=unsure)
     recorded = {
         "chain greedy": record(bundled, "chain greedy", PROMPTS[2], 0.0),
         "chain t0.8": record(bundled, "chain t0.8", PROMPTS[3], 0.8),
@@ -83,6 +99,8 @@ def traces(bundled: Pipeline) -> dict[str, Trace]:
         # ngram-mod indexes new tokens 32 at a time: it drafts from the output after those
         "ngram-mod greedy": record(ngram, "ngram-mod greedy", PROMPTS[0], 0.0, n_predict=48),
         "suffix greedy": record(suffix, "suffix greedy", PROMPTS[0], 0.0),
+        "dflash greedy": record(dflash, "dflash greedy", PROMPTS[2], 0.0),
+        "mtp t0.8": record(mtp, "mtp t0.8", PROMPTS[3], 0.8),
     }
     target.capture_hidden([])  # the other pipelines' target records nothing more
     return recorded
@@ -105,18 +123,19 @@ class Counted:
 
 @pytest.fixture(scope="module")
 def tiny():
-    """A tiny random Llama (512 ids: the recorded 8192 are mapped), its drafter and head."""
+    """A tiny random Llama (512 ids: the recorded 8192 are mapped), its drafter and heads."""
     model = random_model(TINY, CPU)
     tokenizer = word_tokenizer(TINY.vocab)
     drafter = random_model(TINY_DRAFTER, CPU)
-    return model, tokenizer, drafter, random_head(TINY, model, CPU)
+    heads = (random_head(TINY, model, CPU), random_dflash(TINY, model, CPU), random_mtp(TINY, model, CPU))
+    return model, tokenizer, drafter, heads
 
 
 def tiny_backends(tiny, n_ctx: int = 256):
-    model, tokenizer, drafter, head = tiny
+    model, tokenizer, drafter, (head, dflash, mtp) = tiny
     target = native_backend(model, tokenizer, passes="invariant", n_ctx=n_ctx, name="tiny")
     draft = Counted(native_backend(drafter, tokenizer, passes="invariant", n_ctx=n_ctx, name="tiny drafter"))
-    return target, DraftModels(draft=draft, head=head, ngram=SHORT_NGRAMS)
+    return target, DraftModels(draft=draft, head=head, dflash=dflash, mtp=mtp, ngram=SHORT_NGRAMS)
 
 
 @pytest.mark.parametrize(
@@ -129,6 +148,8 @@ def tiny_backends(tiny, n_ctx: int = 256):
         "eagle3 greedy",
         "ngram-mod greedy",
         "suffix greedy",
+        "dflash greedy",
+        "mtp t0.8",
     ],
 )
 def test_a_replay_through_another_model_follows_its_trace(traces, tiny, name):
@@ -174,7 +195,14 @@ def test_a_replay_through_the_recording_pair_decides_every_step_as_recorded(bund
 
 
 def test_traces_replay_as_a_batch(traces, tiny):
-    chosen = [traces["chain greedy"], traces["tree t0.8"], traces["ngram-mod greedy"], traces["chain t0.8"]]
+    chosen = [
+        traces["chain greedy"],
+        traces["tree t0.8"],
+        traces["ngram-mod greedy"],
+        traces["chain t0.8"],
+        traces["dflash greedy"],
+        traces["mtp t0.8"],
+    ]
     target, drafters = tiny_backends(tiny)
     seats = BatchSeats.make(target, drafters, 3)
     assert len({id(each.shared) for _, each in seats.seats}) == 1  # one ngram-mod pool, as a pipeline's forks
@@ -201,12 +229,9 @@ def test_replays_refuse_what_they_cannot_follow(traces, tiny):
 def test_the_check_section_replays_a_trace_file_on_tiny_shapes(traces, tiny, tmp_path):
     path = tmp_path / "traces.jsonl"
     with path.open("w") as out:
-        write_traces(out, [traces["chain greedy"], traces["eagle3 greedy"], traces["ngram-mod greedy"]])
-    assert [t.name for t in parse_traces(path.read_text().splitlines())] == [
-        "chain greedy",
-        "eagle3 greedy",
-        "ngram-mod greedy",
-    ]
+        names = ["chain greedy", "eagle3 greedy", "dflash greedy", "mtp t0.8", "ngram-mod greedy"]
+        write_traces(out, [traces[name] for name in names])
+    assert [t.name for t in parse_traces(path.read_text().splitlines())] == names
     sizes = dataclasses.replace(QUICK, speed_tokens=16, batches=(2,), reps=1)
     report = Report(tmp_path / "out", {"gpu": "none"}, {"quick": True})
     run = Run(report, CPU, sizes, [torch.float32], [], ["invariant"], [TINY])
@@ -216,11 +241,11 @@ def test_the_check_section_replays_a_trace_file_on_tiny_shapes(traces, tiny, tmp
     section = report.data["sections"][SECTION]
     assert section["errors"] == [] and section["skipped"] == []
     rows = section["rows"]
-    assert {row["strategy"] for row in rows} == {"draft", "eagle3", "ngram-mod"}
+    assert {row["strategy"] for row in rows} == {"draft", "eagle3", "dflash", "mtp", "ngram-mod"}
     for row in rows:
         assert row["replayed tokens/pass"] == row["recorded tokens/pass"]
         assert row["tokens/s"] > 0 and row["predicted x plain (cost model)"] > 0
-    assert [row["sequences"] for row in section["batches"]] == [2, 2, 2]
+    assert [row["sequences"] for row in section["batches"]] == [2, 2, 2, 2]  # the greedy groups
     calibration = section["calibration"]
     assert len(calibration) == 1 and all(row["real decode tokens/s"] > 0 for row in calibration)
     assert all(row["steps the target decided as recorded"].split("/")[0] != "0" for row in calibration)

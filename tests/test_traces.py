@@ -3,6 +3,7 @@ round-trips, and `specdecode bench --record-traces` writes one trace per measure
 
 from __future__ import annotations
 
+import gzip
 import io
 import json
 
@@ -117,6 +118,9 @@ def test_a_trace_file_round_trips(backends, tmp_path):
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     assert lines[0]["trace"] == "test" and lines[0]["prompt"] == chain.prompt
     assert len(lines) == 2 + len(chain.steps) + len(tree.steps)
+    packed = tmp_path / "traces.jsonl.gz"  # how the shipped set is stored
+    packed.write_bytes(gzip.compress(path.read_bytes()))
+    assert read_traces(packed) == [chain, tree]
 
 
 def test_a_malformed_file_is_refused_with_its_line_number(tmp_path):

@@ -79,6 +79,23 @@ def test_self_distillation_data_is_generated_in_shares(inputs, tmp_path):
     assert (two / "model.safetensors").is_file()
 
 
+@pytest.mark.slow
+def test_dflash_blocks_are_drawn_alike_in_two_processes(inputs, tmp_path):
+    """Each sequence draws its anchors from its own tokens: two processes, each with half of the
+    batch, train on the blocks one process does."""
+    target, data = inputs
+    common = [
+        *("train", "dflash", "--target", str(target), "--data", str(data), "--steps", "3", *FEW),
+        *("--heads", "4", "--kv-heads", "2", "--head-dim", "8", "--intermediate", "32"),
+        *("--block-size", "4", "--anchors", "5", "--mask-token-id", "319"),
+    ]
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert main([*common, "--out", str(one)]) == 0
+    assert main([*common, "--out", str(two), "--nproc", "2"]) == 0
+    np.testing.assert_allclose(losses(two), losses(one), rtol=1e-5)
+    assert (two / "model.safetensors").is_file()
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [

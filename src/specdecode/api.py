@@ -11,10 +11,10 @@
     print(run.stats.format())
 
 A model may also be a transformers model already in memory (`Pipeline.load(model,
-tokenizer=tokenizer, draft=draft_model)`), the drafting an EAGLE-3 head (`eagle3="path/to/head"`)
-or a strategy chosen in vLLM's terms (`speculative_config={"method": "ngram", ...}`). Settings go
-as keywords in Hugging Face's, vLLM's or llama.cpp's spellings, or as `SamplingParams` and
-`GenerationConfig` objects.
+tokenizer=tokenizer, draft=draft_model)`), the drafting an EAGLE-3 head (`eagle3="path/to/head"`),
+a DFlash drafter (`dflash="path/to/drafter"`) or a strategy chosen in vLLM's terms
+(`speculative_config={"method": "ngram", ...}`). Settings go as keywords in Hugging Face's,
+vLLM's or llama.cpp's spellings, or as `SamplingParams` and `GenerationConfig` objects.
 """
 
 from __future__ import annotations
@@ -32,15 +32,17 @@ from specdecode.backends.load import backend_from_model, check_model_path, check
 from specdecode.backends.options import LoadOptions
 from specdecode.chain import Chain
 from specdecode.config import (
+    NEEDS_DFLASH,
     NEEDS_DRAFT,
     NEEDS_HEAD,
+    NEEDS_MTP,
     PRIORITY,
     SPEC_TYPE_ALIASES,
     DraftModelConfig,
     NgramSettings,
 )
 from specdecode.constraints import Constraint, ConstraintSpec
-from specdecode.defaults import bundled_eagle3, bundled_pair
+from specdecode.defaults import bundled_dflash, bundled_eagle3, bundled_pair
 from specdecode.errors import SpecdecodeError
 from specdecode.generate import Generation, GenerationConfig, chars_per_token, check_room, check_text_room
 from specdecode.keywords import GenerateKeywords, Prompt, check_keywords, is_batch, settings_from
@@ -49,9 +51,12 @@ from specdecode.sampling import Sampler, SamplingParams
 from specdecode.scheduler import BatchEngine, Entry, LoadRule
 from specdecode.speculative_config import SpeculativeChoice
 from specdecode.stats import GenerationStats
-from specdecode.strategies import SharedState, SpecSetup, build_strategies
+from specdecode.strategies import SharedState, SpecSetup, build_strategies, dflash_checkpoint
+from specdecode.strategies.dflash_head import DFlashHead
 from specdecode.strategies.eagle3_checkpoint import load_head
 from specdecode.strategies.eagle3_head import Eagle3Head
+from specdecode.strategies.mtp_checkpoint import load_mtp
+from specdecode.strategies.mtp_head import MtpLayer
 from specdecode.vocab import VocabTranslator, vocab_difference
 
 if TYPE_CHECKING:
@@ -89,19 +94,25 @@ class Pipeline:
         replacements: Sequence[tuple[str, str]] | None = None,
         shared: SharedState | None = None,
         eagle3: Eagle3Head | None = None,
+        dflash: DFlashHead | None = None,
+        mtp: MtpLayer | None = None,
         spec_policy: str = "classic",
         policy_models: PolicyModels | None = None,
         progress: Progress | None = None,
     ) -> None:
         """spec_types: enabled strategy names (None: "draft" when a draft is given, with
-        BESIDE_A_DRAFT under the adaptive policy, and "eagle3" when a head is, else none);
-        llama.cpp's "draft-simple" and "draft-eagle3" name the last two.
+        BESIDE_A_DRAFT under the adaptive policy, "eagle3" when a head is and "dflash" when a
+        DFlash drafter is, else none); llama.cpp's "draft-simple", "draft-eagle3" and
+        "draft-dflash" name the last three.
         ngram: settings of the model-free strategies; their shared state (the ngram-mod pool,
         the ngram-cache files) lives as long as the pipeline.
         replacements: (target text, draft text) pairs; given (even empty), a draft whose
         vocabulary differs is used through text translation instead of being refused.
         shared: state to share with other pipelines (see `fork`); None makes the pipeline's own.
         eagle3: a head loaded for this target (`specdecode.strategies.eagle3_checkpoint.load_head`).
+        dflash: a DFlash drafter loaded for this target (`specdecode.strategies.dflash_checkpoint.load_head`).
+        mtp: the target's own MTP layer (`specdecode.strategies.mtp_checkpoint.load_mtp`); "mtp"
+        (llama.cpp's "draft-mtp") names its strategy.
         spec_policy: "classic" (llama.cpp's fixed chain and p_min) or "adaptive" (each step
         drafts what maximises expected tokens per second, see `specdecode.policy`).
         policy_models: what the adaptive policy has learned, to share (None: new models whose
@@ -112,8 +123,12 @@ class Pipeline:
         self.target = target
         self.draft = draft
         self.eagle3 = eagle3
+        self.dflash = dflash
+        self.mtp = mtp
         if spec_types is None:
             spec_types = (["draft"] if draft else []) + (["eagle3"] if eagle3 is not None else [])
+            spec_types += ["dflash"] if dflash is not None else []
+            spec_types += ["mtp"] if mtp is not None else []
             if draft and spec_policy == "adaptive":
                 spec_types += BESIDE_A_DRAFT
         self.spec_types = strategy_names(spec_types)
@@ -125,6 +140,10 @@ class Pipeline:
             raise SpecdecodeError(NEEDS_DRAFT)
         if "eagle3" in self.spec_types and eagle3 is None:
             raise SpecdecodeError(NEEDS_HEAD)
+        if "dflash" in self.spec_types and dflash is None:
+            raise SpecdecodeError(NEEDS_DFLASH)
+        if "mtp" in self.spec_types and mtp is None:
+            raise SpecdecodeError(NEEDS_MTP)
         self.shared = shared if shared is not None else SharedState(ngram, self.spec_types, target.vocab.size)
         self.spec_policy = check_policy(spec_policy)
         self.policy_models = None
@@ -149,6 +168,7 @@ class Pipeline:
         draft_tokenizer: PreTrainedTokenizerBase | None = None,
         eagle3: str | os.PathLike | None = None,
         eagle3_layer_offset: int | None = None,
+        dflash: str | os.PathLike | None = None,
         speculative_config: Mapping[str, Any] | None = None,
         target_options: LoadOptions = LoadOptions(),
         draft_options: LoadOptions = LoadOptions(),
@@ -164,7 +184,10 @@ class Pipeline:
         draft: a draft model of the same kinds; one in memory uses `draft_tokenizer`, by default
         the target's tokenizer.
         eagle3: the directory of an EAGLE-3 head trained for this target.
-        speculative_config: the strategy in vLLM's terms instead of draft/eagle3/spec_types
+        dflash: the directory of a DFlash drafter trained for this target (z-lab's layout).
+        An "mtp" in spec_types (or speculative_config's method "mtp") reads the target's own MTP
+        layer from `model`, which must then be a directory.
+        speculative_config: the strategy in vLLM's terms instead of draft/eagle3/dflash/spec_types
         (see `SpeculativeChoice`).
         progress: called with a line as each start-up phase begins (loading each model, timing
         the target for the adaptive policy; for a GGUF file on llama.cpp, its row probe and,
@@ -173,10 +196,11 @@ class Pipeline:
         say = progress or _silent
         choice = None
         if speculative_config is not None:
-            if draft is not None or eagle3 is not None or settings.get("spec_types") is not None:
+            models = (draft, eagle3, dflash, settings.get("spec_types"))
+            if any(given is not None for given in models):
                 raise SpecdecodeError(
                     "speculative_config chooses the strategy and its model: give it without draft=, "
-                    "eagle3= or spec_types="
+                    "eagle3=, dflash= or spec_types="
                 )
             choice = SpeculativeChoice.read(
                 speculative_config,
@@ -186,10 +210,13 @@ class Pipeline:
             settings.update(spec_types=[choice.spec_type], draft_config=choice.draft, ngram=choice.ngram)
             draft = choice.model if choice.spec_type == "draft" else None
             eagle3 = choice.model if choice.spec_type == "eagle3" else None
+            dflash = choice.model if choice.spec_type == "dflash" else None
         if model is None:
-            model, draft, eagle3 = _with_bundled(draft, eagle3, settings.get("spec_types"))
+            names = settings.get("spec_types")  # a DFlash drafter alone needs no bundled draft
+            names = ["dflash"] if names is None and dflash is not None and eagle3 is None else names
+            model, draft, eagle3, dflash = _with_bundled(draft, eagle3, dflash, names)
         if choice is not None:
-            choice.check_model(draft if choice.spec_type == "draft" else eagle3)
+            choice.check_model({"draft": draft, "eagle3": eagle3, "dflash": dflash}.get(choice.spec_type))
         for source in (model, draft):  # a missing draft is said before the target loads
             if _is_path(source):
                 check_model_path(source)
@@ -197,8 +224,17 @@ class Pipeline:
             check_not_hub_id(eagle3)  # heads are published on the Hub too
             if not Path(eagle3).is_dir():  # said before the target loads, as a missing draft is
                 raise SpecdecodeError(f"EAGLE-3 head directory not found: {eagle3}")
+        if dflash is not None:
+            check_not_hub_id(dflash)
+            if not Path(dflash).is_dir():
+                raise SpecdecodeError(f"DFlash drafter directory not found: {dflash}")
         # a head's target may not go where auto runs other targets (see specdecode.backends.hf_gguf)
-        use: Use = "hidden" if eagle3 is not None else "target"
+        asks_mtp = "mtp" in strategy_names(settings.get("spec_types") or [])
+        if asks_mtp and not _is_path(model):
+            raise SpecdecodeError(
+                "the mtp strategy reads the MTP layers from the target's directory: give its path"
+            )
+        use: Use = "hidden" if eagle3 is not None or dflash is not None or asks_mtp else "target"
         target = _load_model(model, tokenizer, target_options, "target", say, use)
         draft_backend = None
         if draft is not None:
@@ -209,7 +245,15 @@ class Pipeline:
         if eagle3 is not None:
             say(f"loading the EAGLE-3 head from {eagle3}")
             head = load_head(eagle3, target, eagle3_layer_offset)
-        return cls(target, draft_backend, eagle3=head, progress=progress, **settings)
+        drafter = None
+        if dflash is not None:
+            say(f"loading the DFlash drafter from {dflash}")
+            drafter = dflash_checkpoint.load_head(dflash, target)
+        mtp = None
+        if asks_mtp:
+            say(f"loading the MTP layer from {model}")
+            mtp = load_mtp(model, target)
+        return cls(target, draft_backend, eagle3=head, dflash=drafter, mtp=mtp, progress=progress, **settings)
 
     def fork(self, draft_passes: DraftPasses | None = None) -> Pipeline:
         """A pipeline over the same weights with its own KV caches and per-generation state,
@@ -225,9 +269,11 @@ class Pipeline:
     def forks(self, count: int, draft_passes: DraftPasses | None = None) -> list[Pipeline]:
         """`count` forks (see `fork`) for generations that one `BatchEngine` steps together
         (one thread): where a backend can, its forks share one context and score all of their
-        rows in one pass (`LlamaCppBackend.forks`), the target's unless an EAGLE-3 head reads
-        its hidden states, the draft model's unless it drafts trees."""
-        targets = _forked(self.target, count, shared=self.eagle3 is None)
+        rows in one pass (`LlamaCppBackend.forks`), the target's unless an EAGLE-3 head or a
+        DFlash drafter reads its hidden states, the draft model's unless it drafts trees. Each
+        fork's DFlash strategy keeps its own context over the one shared drafter."""
+        reads_hidden = self.eagle3 is not None or self.dflash is not None or self.mtp is not None
+        targets = _forked(self.target, count, shared=not reads_hidden)
         if self.draft is None:
             return [self._over(target, None, draft_passes) for target in targets]
         drafts = _forked(self.draft, count, shared=self.draft_config.n_parallel <= 1)
@@ -235,10 +281,11 @@ class Pipeline:
 
     def _over(self, target: Backend, draft: Backend | None, draft_passes: DraftPasses | None) -> Pipeline:
         """A pipeline like this one over these backends (forks of this one's)."""
-        eagle3 = self.eagle3
+        eagle3, mtp = self.eagle3, self.mtp
         if draft_passes is not None:
             draft = GatheredBackend(draft, draft_passes) if draft is not None else None
             eagle3 = GatheredHead(eagle3, draft_passes) if eagle3 is not None else None
+            mtp = GatheredHead(mtp, draft_passes) if mtp is not None else None
         return Pipeline(
             target,
             draft,
@@ -248,6 +295,8 @@ class Pipeline:
             replacements=self.replacements,
             shared=self.shared,
             eagle3=eagle3,
+            dflash=self.dflash,
+            mtp=mtp,
             spec_policy=self.spec_policy,
             policy_models=self.policy_models,
         )
@@ -302,6 +351,8 @@ class Pipeline:
             draft=draft_config or self.draft_config,
             translator=self.translator,
             eagle3_head=self.eagle3,
+            dflash_head=self.dflash,
+            mtp_head=self.mtp,
             ngram=self.ngram,
             shared=self.shared,
             constraint=matcher,
@@ -420,7 +471,7 @@ class Pipeline:
     def _seats(self, count: int) -> tuple[DraftPasses | None, list[Pipeline]]:
         """generate_batch's forks, made once and kept (with their caches) for the next call."""
         if self._batch is None:
-            models = self.draft is not None or self.eagle3 is not None
+            models = self.draft is not None or self.eagle3 is not None or self.mtp is not None
             self._batch = (DraftPasses() if models else None, [])
         passes, seats = self._batch
         if count > len(seats):
@@ -465,18 +516,23 @@ def _silent(line: str) -> None:
 def _with_bundled(
     draft: str | os.PathLike | PreTrainedModel | None,
     eagle3: str | os.PathLike | None,
+    dflash: str | os.PathLike | None,
     spec_types: Sequence[str] | None,
-) -> tuple[Path, str | os.PathLike | PreTrainedModel | None, str | os.PathLike | None]:
-    """(target, draft, head) around the bundled target: the bundled draft, as the command without
-    -m, unless the strategies asked for need none (spec_types without "draft", a head alone);
-    the bundled head where "eagle3" is asked for without one."""
+) -> tuple[
+    Path, str | os.PathLike | PreTrainedModel | None, str | os.PathLike | None, str | os.PathLike | None
+]:
+    """(target, draft, head, DFlash drafter) around the bundled target: the bundled draft, as the
+    command without -m, unless the strategies asked for need none (spec_types without "draft", a
+    head alone); the bundled head and drafter where "eagle3" or "dflash" is asked for without one."""
     target, bundled_draft = bundled_pair()
     names = strategy_names(spec_types) if spec_types is not None else None
     if draft is None and ("draft" in names if names is not None else eagle3 is None):
         draft = bundled_draft
     if eagle3 is None and names is not None and "eagle3" in names:
         eagle3 = bundled_eagle3()
-    return target, draft, eagle3
+    if dflash is None and names is not None and "dflash" in names:
+        dflash = bundled_dflash()
+    return target, draft, eagle3, dflash
 
 
 def _is_path(source: object) -> bool:

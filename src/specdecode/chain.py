@@ -60,6 +60,10 @@ class Chain:
         self.stats = [StrategyStats(s.name) for s in self.strategies]
         self.policy = policy
         self._steerable = {i for i, s in enumerate(self.strategies) if isinstance(s, Steerable)}
+        if policy is not None:  # drafters whose whole draft is one pass are priced so
+            policy.models.costs.one_pass.update(
+                s.name for s in self.strategies if getattr(s, "one_pass", False)
+            )
         self._last: int | None = None  # index of the strategy whose draft is being verified
         self._failed: set[int] = set()  # strategies that raised: not called again
         self._step: _Step | None = None  # the adaptive policy's record of this step's drafting

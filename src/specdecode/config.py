@@ -48,11 +48,18 @@ PRIORITY = (
     "suffix",
     "draft",
     "eagle3",
+    "dflash",
+    "mtp",
     "forced",
 )
-# llama.cpp's current --spec-type names of the two model drafters -> the names used inside (and
+# llama.cpp's current --spec-type names of the model drafters -> the names used inside (and
 # by older llama.cpp), which --spec-type accepts too.
-SPEC_TYPE_ALIASES = {"draft-simple": "draft", "draft-eagle3": "eagle3"}
+SPEC_TYPE_ALIASES = {
+    "draft-simple": "draft",
+    "draft-eagle3": "eagle3",
+    "draft-dflash": "dflash",
+    "draft-mtp": "mtp",
+}
 SPEC_TYPE_NAMES = {inside: outside for outside, inside in SPEC_TYPE_ALIASES.items()}
 # What a pipeline that asks for a model drafter without its model is told, in the library's
 # terms and the command's.
@@ -62,6 +69,14 @@ NEEDS_DRAFT = (
 NEEDS_HEAD = (
     'the eagle3 strategy (spec_types "eagle3", --spec-type draft-eagle3) needs an EAGLE-3 head: '
     "eagle3= (-me DIR)"
+)
+NEEDS_DFLASH = (
+    'the dflash strategy (spec_types "dflash", --spec-type draft-dflash) needs a DFlash drafter: '
+    "dflash= (-mdf DIR)"
+)
+NEEDS_MTP = (
+    'the mtp strategy (spec_types "mtp", --spec-type draft-mtp) needs the target\'s own MTP layers: '
+    "mtp= (from the target's directory, -m DIR)"
 )
 
 

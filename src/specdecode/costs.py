@@ -78,6 +78,8 @@ class CostModel:
         # (rows, sequences) -> [count, total seconds, total seconds predicted] of the passes run
         self.measured: dict[tuple[int, int], list[float]] = {}
         self.draft_calls: dict[str, DraftCalls] = {}  # drafting model -> its calls' cost line
+        # drafting models whose call is one pass whatever the draft's length (a DFlash block)
+        self.one_pass: set[str] = set()
         self._sums = DecayedSums(5)  # over the passes run, features _features(T, S)
         self._curve: tuple[float, ...] | None = None  # (a, b, c, s, m)
         self._stale = 0.0  # passes observed since the last fit
@@ -168,16 +170,20 @@ class CostModel:
     def observe_draft(self, strategy: str, steps: int, seconds: float, missed: int) -> None:
         """A call of the drafting model `strategy` read the `missed` tokens verified since its
         previous call, then ran `steps` steps, in `seconds`."""
-        self._draft_calls(strategy).observe(steps, seconds, missed)
+        self._draft_calls(strategy).observe(self._steps(strategy, steps), seconds, missed)
 
     def step_time(self, strategy: str) -> float:
-        """The seconds one more step of a drafting model adds to its call."""
-        return self._draft_line(strategy)[1]
+        """The seconds one more step of a drafting model adds to its call (none for a one-pass model)."""
+        return 0.0 if strategy in self.one_pass else self._draft_line(strategy)[1]
 
     def draft_time(self, strategy: str, steps: float, missed: float) -> float:
         """The seconds of a call of `steps` steps that first reads `missed` tokens."""
         a, b, g = self._draft_line(strategy)
-        return a + b * steps + g * missed
+        return a + b * self._steps(strategy, steps) + g * missed
+
+    def _steps(self, strategy: str, steps: float) -> float:
+        """A one-pass model's call is one step, however many tokens it drafts."""
+        return min(steps, 1.0) if strategy in self.one_pass else steps
 
     def _draft_line(self, strategy: str) -> tuple[float, float, float]:
         """The model's call cost line; until its calls have run, its load-time timing at the

@@ -2,8 +2,9 @@
 
 The pair lives in `specdecode/models/target` and `specdecode/models/draft` (Hugging Face
 directories, shipped as package data), with an EAGLE-3 head for the target in
-`specdecode/models/eagle3`. An installation without them still works with -m/-md;
-asked for the defaults, it says how to make a pair with `specdecode train`.
+`specdecode/models/eagle3` and a DFlash drafter in `specdecode/models/dflash`. An installation
+without them still works with -m/-md; asked for the defaults, it says how to make a pair with
+`specdecode train`.
 
 Their weights are stored packed (`model.safetensors.packed`, see
 `specdecode.backends.packed_weights`) and the draft's tokenizer.json is the target's, stored
@@ -55,6 +56,19 @@ def resolve_models(model: Path | None, draft: Path | None) -> tuple[Path, Path |
 def bundled_eagle3() -> Path | None:
     """The bundled EAGLE-3 head's directory, decoded, or None if this installation has none."""
     return _bundled("eagle3") if (BUNDLED / "eagle3" / "config.json").is_file() else None
+
+
+def bundled_dflash() -> Path | None:
+    """The bundled DFlash drafter's directory, decoded, or None if this installation has none."""
+    return _bundled("dflash") if (BUNDLED / "dflash" / "config.json").is_file() else None
+
+
+def resolve_dflash(model: Path | None, drafter: Path | None) -> Path | None:
+    """The DFlash drafter to load when dflash is asked for: as given, or the bundled one when the
+    bundled target is used (a drafter fits only the target it was trained for)."""
+    if drafter is not None or model is not None:
+        return drafter
+    return bundled_dflash()
 
 
 def resolve_eagle3(model: Path | None, head: Path | None) -> Path | None:

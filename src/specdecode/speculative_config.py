@@ -31,6 +31,7 @@ SUFFIX_KEYS = (
     "suffix_decoding_max_spec_factor",
     "suffix_decoding_min_token_prob",
 )
+MTP_KEYS = ("num_speculative_tokens",)  # the MTP layers are the target's own: no "model"
 SPECULATIVE_KEYS = ("method", "model", *LOOKUP_KEYS, *SUFFIX_KEYS[1:])
 # method -> (strategy, the keys it reads besides "method"): vLLM's methods, then this package's
 # strategy names, whose settings are the pipeline's `ngram` (NgramSettings)
@@ -39,11 +40,16 @@ SPECULATIVE_METHODS: dict[str, tuple[str, tuple[str, ...]]] = {
     "draft_model": ("draft", MODEL_KEYS),
     "eagle3": ("eagle3", MODEL_KEYS),
     "eagle": ("eagle3", MODEL_KEYS),
+    "dflash": ("dflash", MODEL_KEYS),
     "draft": ("draft", MODEL_KEYS),
     **{alias: (name, MODEL_KEYS) for alias, name in SPEC_TYPE_ALIASES.items()},  # draft-simple, draft-eagle3
     **{name: (name, ()) for name in PRIORITY if name.startswith("ngram-")},
     "suffix": ("suffix", SUFFIX_KEYS),
+    # vLLM's "mtp", and the per-family names it also accepts for the layouts read here
+    **{name: ("mtp", MTP_KEYS) for name in ("mtp", "draft-mtp", "deepseek_mtp", "mimo_mtp")},
 }
+# the strategies that draft with a model read from "model" -> what that model is
+MODEL_KINDS = {"draft": "draft model", "eagle3": "EAGLE-3 head", "dflash": "DFlash drafter"}
 VLLM_PROMPT_LOOKUP = 5  # vLLM's n-gram size when neither prompt_lookup_min nor _max is given
 
 
@@ -59,6 +65,10 @@ class SpeculativeChoice:
     - "draft_model" (also "draft", "draft-simple"): a draft model read from `model`, drafting
       up to num_speculative_tokens (`DraftModelConfig.n_max`, which stops earlier below p_min).
     - "eagle3" (also "eagle", "draft-eagle3"): an EAGLE-3 head read from `model`, likewise.
+    - "dflash" (also "draft-dflash"): a DFlash drafter read from `model`, likewise (at most its
+      block size less one).
+    - "mtp" (also "draft-mtp", "deepseek_mtp", "mimo_mtp"): the target's own MTP layers,
+      chained up to num_speculative_tokens; no `model`.
     - "ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache": those
       strategies with the pipeline's `ngram` settings; no other key.
     - "suffix": SuffixDecoding, with the pipeline's `ngram.suffix` settings less those that
@@ -95,7 +105,7 @@ class SpeculativeChoice:
             reads = f"it reads {', '.join(keys)}" if keys else "its settings are the pipeline's ngram="
             raise SpecdecodeError(f"speculative_config method {method!r} takes no {extra[0]!r}: {reads}")
         tokens = _count(config, "num_speculative_tokens", 1)
-        if spec_type in ("draft", "eagle3") and tokens is not None:
+        if (spec_type in MODEL_KINDS or spec_type == "mtp") and tokens is not None:
             draft = replace(draft, n_max=tokens)
         if method == "ngram":
             ngram = replace(ngram, simple=_prompt_lookup(config, tokens, ngram.simple))
@@ -105,8 +115,8 @@ class SpeculativeChoice:
 
     def check_model(self, model: object) -> None:
         """A model-based method needs its model: given in the config, or the bundled one."""
-        if self.spec_type in ("draft", "eagle3") and model is None:
-            kind = "draft model" if self.spec_type == "draft" else "EAGLE-3 head"
+        if self.spec_type in MODEL_KINDS and model is None:
+            kind = MODEL_KINDS[self.spec_type]
             raise SpecdecodeError(
                 f"speculative_config method {self.method!r} needs 'model': the {kind}'s directory"
                 + (" or GGUF file" if self.spec_type == "draft" else "")

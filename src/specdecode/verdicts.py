@@ -43,7 +43,12 @@ NOTE_WIDTH = 100  # a printed note's lines, "note: " included
 CLASSIC = "--spec-policy classic drafts anyway"
 CAP_REMEDY = "--passes bucketed lifts the cap; see docs/gguf.md"
 NO_DRAFT_REMEDY = "--passes bucketed drafts anyway; see docs/gguf.md"
-MODEL_LABELS = {"draft": "the draft model", "eagle3": "the EAGLE-3 head"}
+MODEL_LABELS = {
+    "draft": "the draft model",
+    "eagle3": "the EAGLE-3 head",
+    "dflash": "the DFlash drafter",
+    "mtp": "the MTP layer",
+}
 
 
 def note_lines(text: str, prefix: str = "note: ") -> list[str]:
@@ -143,7 +148,9 @@ def _model(
     k, speedup = best_case(costs, name, n_max)
     ran = f"ran {runs} times" if runs > 1 else "ran once" if runs else "was not run"
     if speedup < 1:
-        step, check = costs.step_time(name) / plain, costs.pass_time(k + 1) / plain
+        one_pass = name in costs.one_pass  # a DFlash drafter's whole draft is one pass
+        step = (costs.draft_time(name, 1, 0) if one_pass else costs.step_time(name)) / plain
+        check = costs.pass_time(k + 1) / plain
         numbers = {"speedup": speedup, "draft_tokens": k, "step_cost": step, "check_cost": check}
         numbers.update(runs=runs, steps=steps)
         held = stats.draft_cap is not None and stats.draft_cap < _configured(strategy, n_max)
@@ -154,7 +161,8 @@ def _model(
             )
             return SpeculationVerdict("draft_model_too_slow", message, numbers, CAP_REMEDY)
         message = (
-            f"{label} {ran}: a draft step costs {step:.2f}x a plain step and checking {_tokens(k)} "
+            f"{label} {ran}: a {'drafting pass' if one_pass else 'draft step'} costs {step:.2f}x a plain "
+            f"step and checking {_tokens(k)} "
             f"{check:.1f}x, so even fully kept drafts would run at {speedup:.2f}x plain speed"
         )
         return SpeculationVerdict("draft_model_too_slow", message, numbers, CLASSIC)

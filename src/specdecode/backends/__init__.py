@@ -106,6 +106,10 @@ class HiddenStates(Protocol):
         """The token embedding matrix [V, hidden_size] (shared with heads that carry none)."""
         ...
 
+    def output_embeddings(self) -> torch.Tensor:
+        """The output head's matrix [V, hidden_size] (a DFlash drafter reads out through it)."""
+        ...
+
 
 def hidden_state_source(backend: Backend, why: str) -> HiddenStates:
     """`backend` as a HiddenStates, or a clear error naming who needed it."""

@@ -163,6 +163,9 @@ class HFBackend:
     def input_embeddings(self) -> torch.Tensor:
         return self.model.get_input_embeddings().weight
 
+    def output_embeddings(self) -> torch.Tensor:
+        return self.model.get_output_embeddings().weight
+
     @property
     def tokens(self) -> list[int]:
         return self._tokens

@@ -437,6 +437,18 @@ class LlamaCppBackend(RowProbe):
             self.model.embeddings = dequantized_tensor(self.model.path, "token_embd.weight")
         return self.model.embeddings
 
+    def output_embeddings(self) -> torch.Tensor:
+        """The file's output head [V, hidden_size] (its token embeddings when tied), dequantized
+        to float32 once per model."""
+        if self.model.output is None:
+            from specdecode.backends.gguf_files import dequantized_tensor
+
+            try:
+                self.model.output = dequantized_tensor(self.model.path, "output.weight")
+            except SpecdecodeError:  # tied: the file holds no output.weight
+                self.model.output = self.input_embeddings()
+        return self.model.output
+
     def _record_hidden(self, rows: int) -> None:
         """Append the captured layers' rows of the first `rows` rows of the pass just decoded."""
         if self._hidden is None or rows == 0:

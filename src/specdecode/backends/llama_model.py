@@ -51,6 +51,7 @@ class LlamaModel:
         params.use_extra_bufts = repack
         self.repack = repack
         self.embeddings: torch.Tensor | None = None  # token embeddings, read on first use (EAGLE-3)
+        self.output: torch.Tensor | None = None  # output head, read on first use (DFlash)
         self.kernels = kernels()
         self.pointer = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
         if not self.pointer:

@@ -52,12 +52,13 @@ from specdecode.bench.systems import (
 from specdecode.bench.tasks import Task, as_chats, build_tasks, custom_task, with_sampling
 from specdecode.bench.traces import TraceRecorder, check_trace_file, open_traces
 from specdecode.chat import chat_from_args, encode_rendered
-from specdecode.defaults import resolve_eagle3, resolve_models
+from specdecode.defaults import resolve_dflash, resolve_eagle3, resolve_models
 from specdecode.errors import SpecdecodeError, read_text_file, require
 from specdecode.generate import check_room
-from specdecode.strategies import DraftModelConfig, NgramSettings
+from specdecode.strategies import DraftModelConfig, NgramSettings, dflash_checkpoint
 from specdecode.strategies.eagle3_checkpoint import load_head
 from specdecode.strategies.eagle3_head import Eagle3Head
+from specdecode.strategies.mtp_checkpoint import has_mtp, load_mtp
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -171,6 +172,12 @@ def run_bench(
     if args.record_traces is not None:  # a missing directory, said before any model loads
         check_trace_file(args.record_traces)
     target, draft, eagle3 = load_models(args, target_options, draft_options)
+    target_dir = resolve_models(args.model, args.model_draft)[0]  # its own MTP layers, if any
+    mtp = load_mtp(target_dir, target) if target_dir.is_dir() and has_mtp(target_dir) else None
+    dflash_dir = resolve_dflash(args.model, args.model_draft_dflash)
+    if args.quick and args.model_draft_dflash is None and "dflash" not in (args.systems or ""):
+        dflash_dir = None  # the bundled drafter: --quick runs it only when --systems names it
+    dflash = dflash_checkpoint.load_head(dflash_dir, target) if dflash_dir is not None else None
     tokenize = target.tokenize
     if chat is not None:  # rendered and tokenized as generate --chat and the server do
         tasks = as_chats(tasks, lambda turns: chat.text(target.tokenizer, turns, target.name))
@@ -182,10 +189,12 @@ def run_bench(
             draft is not None,
             include_hf=not args.no_hf and isinstance(target, HFBackend),  # not on llama.cpp's kernels
             has_eagle3=eagle3 is not None,
+            has_mtp=mtp is not None,
+            has_dflash=dflash is not None,
         )
     )
     names += static_grid(names, *grid_values(args.static_grid), draft_config)
-    systems = build_systems(names, target, draft, draft_config, ngram, eagle3)
+    systems = build_systems(names, target, draft, draft_config, ngram, eagle3, mtp, dflash)
     for task in tasks:
         for index in range(len(task.prompts)):
             turns = task.turns(index)  # a session's answers are not known yet: n_predict each
@@ -206,6 +215,8 @@ def run_bench(
     header = f"specdecode bench ({chosen['mode']}): {target.name} / {draft.name if draft else 'no draft'}"
     if eagle3 is not None:
         header += f" / EAGLE-3 head {args.model_eagle3.name if args.model_eagle3 else '(bundled)'}"
+    if dflash is not None:
+        header += f" / DFlash drafter {dflash_dir.name}"
     planned = plan_size(tasks, len(systems), chosen["runs"], chosen["warmup"], chosen["warm_once"])[1]
     stopped = False
     log = RunLog(args.out, results, f"{header}\n\n{machine_line(results['machine'])}", planned)

@@ -99,13 +99,16 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         help="draft-tree systems: probability that opens a branch",
     )
     group.add_argument(
-        "--draft-tree-tokens", type=int, default=8, help="eagle3-tree systems: nodes per dynamic tree"
+        "--draft-tree-tokens",
+        type=int,
+        default=8,
+        help="eagle3-tree and dflash-tree systems: nodes per dynamic tree",
     )
     group.add_argument(
         "--draft-tree-topk",
         type=int,
         default=DRAFTING.tree_topk,
-        help="eagle3-tree systems: nodes expanded per depth",
+        help="eagle3-tree and dflash-tree systems: nodes expanded per depth",
     )
     group.add_argument(
         "--sweep",

@@ -24,7 +24,7 @@ from matplotlib.ticker import MaxNLocator
 from specdecode.bench.report import by_task
 from specdecode.bench.systems import ADAPTIVE, TREES, static_base
 
-FAMILIES = ("plain", "n-gram", "draft model", "EAGLE-3", "trees", "combined chains")
+FAMILIES = ("plain", "n-gram", "draft model", "EAGLE-3", "DFlash", "MTP", "trees", "combined chains")
 MAX_SERIES = 8  # series per panel: tab10 keeps them apart
 COLOURS = plt.get_cmap("tab10").colors
 MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
@@ -47,6 +47,10 @@ def strategy_family(system: str) -> str:
         return "n-gram"
     if parts[0] == "eagle3":
         return "EAGLE-3"
+    if parts[0] == "dflash":
+        return "DFlash"
+    if parts[0] == "mtp":
+        return "MTP"
     return "draft model" if parts[0] == "draft" else "plain"
 
 

@@ -5,9 +5,9 @@ A replay runs the generation loop once more over a target of another shape (rand
 a GPU, where the real weights cannot go), with two stand-ins:
 
 - in the chain, a `ReplayDrafter` per recorded strategy: it runs a real drafter of that
-  strategy (`DraftModels`: a draft model or an EAGLE-3 head at its own shape, the model-free
-  strategies' own code over the replayed history) for its cost, then proposes the recorded
-  draft, its ids in the target's vocabulary and a tree's parents kept;
+  strategy (`DraftModels`: a draft model, an EAGLE-3 head, a DFlash drafter or an MTP layer at
+  its own shape, the model-free strategies' own code over the replayed history) for its cost,
+  then proposes the recorded draft, its ids in the target's vocabulary and a tree's parents kept;
 - a `ReplayGeneration`, whose verification samples the target's logits as a real run's does
   (down the recorded path: the sampler's host work) and then keeps what the trace kept, so
   that the target's cache is committed or rolled back as the recording's was.
@@ -50,11 +50,13 @@ from specdecode.scheduler import BatchEngine, Entry
 from specdecode.stats import GenerationStats
 from specdecode.strategies import SharedState, SpecSetup, Strategy, build_strategies
 from specdecode.strategies.base import Steerable
+from specdecode.strategies.dflash_head import DFlashHead
 from specdecode.strategies.eagle3_head import Eagle3Head
+from specdecode.strategies.mtp_head import MtpLayer
 from specdecode.verify import Verdict
 
 CLASSIC_N_MAX = DraftModelConfig().n_max  # a classic recording's draft n_max, where its header names none
-MODELS = ("draft", "eagle3")  # the strategies that draft with a model, which share no state
+MODELS = ("draft", "eagle3", "dflash", "mtp")  # the strategies that draft with a model, which share no state
 INNER_N_MAX = 1024  # the real drafters' own cap: the replay asks them for exactly what it needs
 
 
@@ -270,11 +272,14 @@ class ReplayDrafter:
 @dataclass
 class DraftModels:
     """The real drafters replays run, by strategy: a draft model's backend (of the target's
-    vocabulary), an EAGLE-3 head, the model-free strategies' settings; their shared state (the
-    ngram-mod pool, the suffix store) made once and shared by forks, as a pipeline's."""
+    vocabulary), an EAGLE-3 head, a DFlash drafter, an MTP layer, the model-free strategies'
+    settings; their shared state (the ngram-mod pool, the suffix store) made once and shared by
+    forks, as a pipeline's."""
 
     draft: Backend | None = None
     head: Eagle3Head | None = None
+    dflash: DFlashHead | None = None
+    mtp: MtpLayer | None = None
     ngram: NgramSettings = field(default_factory=NgramSettings)
     shared: SharedState | None = None
 
@@ -294,6 +299,8 @@ class DraftModels:
             draft_backend=self.draft,
             draft=DraftModelConfig(n_max=INNER_N_MAX, p_min=0.0),
             eagle3_head=self.head,
+            dflash_head=self.dflash,
+            mtp_head=self.mtp,
             ngram=self.ngram,
             shared=self.shared_state(target.vocab.size) if name not in MODELS else None,
         )
@@ -307,13 +314,16 @@ class DraftModels:
 
     def forked(self, passes: DraftPasses | None) -> DraftModels:
         """Drafters for another sequence of a batch: the draft model's own fork, the shared state
-        shared; with `passes`, their model passes joining the batch's drafting rounds."""
+        shared; with `passes`, their model passes joining the batch's drafting rounds (a DFlash
+        drafter, whose strategy keeps its own context cache, runs its block alone)."""
         draft = self.draft.fork() if self.draft is not None else None  # type: ignore[attr-defined]
         head: Any = self.head
+        mtp: Any = self.mtp
         if passes is not None:
             draft = GatheredBackend(draft, passes) if draft is not None else None
             head = GatheredHead(head, passes) if head is not None else None
-        return DraftModels(draft, head, self.ngram, self.shared)
+            mtp = GatheredHead(mtp, passes) if mtp is not None else None
+        return DraftModels(draft, head, self.dflash, mtp, self.ngram, self.shared)
 
 
 def replay_generation(trace: Trace, target: Backend, drafters: DraftModels) -> ReplayGeneration:
@@ -399,7 +409,7 @@ class BatchSeats:
     @classmethod
     def make(cls, target: Backend, drafters: DraftModels, count: int) -> BatchSeats:
         """`count` seats, made once: a timed batch then pays for no fork."""
-        models = drafters.draft is not None or drafters.head is not None
+        models = drafters.draft is not None or drafters.head is not None or drafters.mtp is not None
         passes = DraftPasses() if models else None
         drafters.shared_state(target.vocab.size)  # made before the forks, which share it
         fork = target.fork  # type: ignore[attr-defined]

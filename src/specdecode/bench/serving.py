@@ -177,7 +177,7 @@ def _measure(
 ) -> tuple[Level, list[list[int]]]:
     if name == "threads":
         return _threads(name, [pipeline.fork() for _ in range(concurrency)], requests, config)
-    models = pipeline.draft is not None or pipeline.eagle3 is not None
+    models = pipeline.draft is not None or pipeline.eagle3 is not None or pipeline.mtp is not None
     passes = DraftPasses() if models else None
     if name.startswith("separate"):
         seats = [pipeline.fork(passes) for _ in range(concurrency)]

@@ -32,17 +32,21 @@ from specdecode.policy import PolicyModels
 from specdecode.sampling import SamplingParams
 from specdecode.stats import GenerationStats
 from specdecode.strategies import PRIORITY, DraftModelConfig, NgramSettings
+from specdecode.strategies.dflash_head import DFlashHead
 from specdecode.strategies.eagle3_head import Eagle3Head
+from specdecode.strategies.mtp_head import MtpLayer
 
 GREEDY = SamplingParams(temperature=0)
 MODEL_FREE = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache", "suffix")
 CHAINS = (("ngram-simple", "draft"), ("ngram-mod", "ngram-map-k4v", "draft"))
 EAGLE3_SYSTEMS = ("eagle3", "ngram-simple,eagle3")  # when an EAGLE-3 head is loaded
+MTP_SYSTEMS = ("mtp", "ngram-simple,mtp")  # when the target has MTP layers
+DFLASH_SYSTEMS = ("dflash", "dflash-tree")  # when a DFlash drafter is loaded
 # Trees: "draft-tree" is the draft strategy with --draft-n-parallel branches, "eagle3-tree" the
 # head with a --draft-tree-tokens dynamic tree; every other system drafts chains.
 DRAFT_TREE_SYSTEMS = ("draft-tree", "ngram-simple,draft-tree")
 EAGLE3_TREE_SYSTEMS = ("eagle3-tree", "ngram-simple,eagle3-tree")
-TREES = {"draft-tree": "draft", "eagle3-tree": "eagle3"}
+TREES = {"draft-tree": "draft", "eagle3-tree": "eagle3", "dflash-tree": "dflash"}
 # Hugging Face's documented example value; its n-gram size stays at the default (2).
 HF_PROMPT_LOOKUP_TOKENS = 10
 ADAPTIVE = "@adaptive"
@@ -166,28 +170,49 @@ class HFSystem:
         return self.run
 
 
-def system_names(has_draft: bool, include_hf: bool, has_eagle3: bool = False) -> list[str]:
+def system_names(
+    has_draft: bool,
+    include_hf: bool,
+    has_eagle3: bool = False,
+    has_mtp: bool = False,
+    has_dflash: bool = False,
+) -> list[str]:
     """Every system the suite knows for these models, in table order."""
     ours = ["plain", *MODEL_FREE]
     if has_draft:
         ours += ["draft", *(",".join(chain) for chain in CHAINS), *DRAFT_TREE_SYSTEMS]
     if has_eagle3:
         ours += [*EAGLE3_SYSTEMS, *EAGLE3_TREE_SYSTEMS]
+    if has_mtp:
+        ours += list(MTP_SYSTEMS)
+    if has_dflash:
+        ours += list(DFLASH_SYSTEMS)
     hf = ["hf-plain", "hf-prompt-lookup"] + (["hf-assisted"] if has_draft else [])
     return ours + (hf if include_hf else [])
 
 
-def quick_system_names(has_draft: bool, include_hf: bool, has_eagle3: bool = False) -> list[str]:
+def quick_system_names(
+    has_draft: bool,
+    include_hf: bool,
+    has_eagle3: bool = False,
+    has_mtp: bool = False,
+    has_dflash: bool = False,
+) -> list[str]:
     """`bench --quick`'s systems: a first look in a few CPU-minutes, not every strategy. Ours
     plain; with a draft, llama.cpp's classic draft-model drafting and what `generate` runs by
     default (the adaptive chain of `api.BESIDE_A_DRAFT` and the draft); without one, ngram-mod
-    (our fastest model-free strategy measured); eagle3 when a head is given (-me); then
+    (our fastest model-free strategy measured); eagle3 when a head is given (-me), mtp when the
+    target has MTP layers, dflash when a DFlash drafter is given (-mdf); then
     Hugging Face's plain `generate` (the ×HF baseline) and its speculation for these models
     (assisted by the same draft, or else prompt lookup)."""
     ours = ["plain"]
     ours += ["draft", ",".join([*BESIDE_A_DRAFT, "draft"]) + ADAPTIVE] if has_draft else ["ngram-mod"]
     if has_eagle3:
         ours.append("eagle3")
+    if has_mtp:
+        ours.append("mtp")
+    if has_dflash:
+        ours.append("dflash")
     hf = ["hf-plain", "hf-assisted" if has_draft else "hf-prompt-lookup"]
     return ours + (hf if include_hf else [])
 
@@ -199,13 +224,15 @@ def build_systems(
     draft_config: DraftModelConfig,
     ngram: NgramSettings,
     eagle3: Eagle3Head | None = None,
+    mtp: MtpLayer | None = None,
+    dflash: DFlashHead | None = None,
 ) -> list[System]:
     """The named systems over the loaded models; "plain" always comes first (the baseline), then
     ours (adaptive ones included), then Hugging Face's."""
-    known = system_names(draft is not None, include_hf=True, has_eagle3=eagle3 is not None)
+    known = system_names(draft is not None, True, eagle3 is not None, mtp is not None, dflash is not None)
     ours = [name for name in known if not name.startswith("hf-") and name != "plain"]
     known += [name + ADAPTIVE for name in ours]
-    strategies = chain_parts(draft is not None, eagle3 is not None)
+    strategies = chain_parts(draft is not None, eagle3 is not None, mtp is not None, dflash is not None)
     unknown = [name for name in names if static_base(name) not in known and not is_chain(name, strategies)]
     if unknown:
         raise SpecdecodeError(
@@ -217,7 +244,7 @@ def build_systems(
     ordered = ["plain", *sorted(chosen, key=lambda name: name.startswith("hf-"))]  # ours, then HF's
     ordered += [name for name in names if name not in known and name not in ordered]  # @P/N, as asked
     hf_logging.set_verbosity_error()  # its deprecation notices would drown the progress bar
-    return [_system(name, target, draft, draft_config, ngram, eagle3) for name in ordered]
+    return [_system(name, target, draft, draft_config, ngram, eagle3, mtp, dflash) for name in ordered]
 
 
 def _system(
@@ -227,6 +254,8 @@ def _system(
     draft_config: DraftModelConfig,
     ngram: NgramSettings,
     eagle3: Eagle3Head | None,
+    mtp: MtpLayer | None = None,
+    dflash: DFlashHead | None = None,
 ) -> System:
     if name == "hf-plain":
         return HFSystem(name, target)
@@ -243,7 +272,7 @@ def _system(
     config = replace(
         draft_config,
         n_parallel=draft_config.n_parallel if "draft-tree" in parts else 1,
-        tree_tokens=draft_config.tree_tokens if "eagle3-tree" in parts else 0,
+        tree_tokens=draft_config.tree_tokens if {"eagle3-tree", "dflash-tree"} & set(parts) else 0,
     )
     drafts = {"draft": draft} if draft is not None and "draft" in spec_types else None
     models = PolicyModels.for_target(target, drafts=drafts) if adaptive else None
@@ -253,6 +282,8 @@ def _system(
             target,
             draft if "draft" in spec_types else None,
             eagle3=eagle3 if "eagle3" in spec_types else None,
+            mtp=mtp if "mtp" in spec_types else None,
+            dflash=dflash if "dflash" in spec_types else None,
             spec_types=spec_types,
             draft_config=config,
             ngram=ngram,
@@ -261,18 +292,24 @@ def _system(
         ),
         models,
         spec_types,
-        tree="draft-tree" in parts or "eagle3-tree" in parts,
+        tree=bool(set(TREES) & set(parts)),
         drafting=config,
     )
 
 
-def chain_parts(has_draft: bool, has_eagle3: bool) -> list[str]:
+def chain_parts(
+    has_draft: bool, has_eagle3: bool, has_mtp: bool = False, has_dflash: bool = False
+) -> list[str]:
     """The strategies a chain of these models may join."""
     parts = [*MODEL_FREE]
     if has_draft:
         parts += ["draft", "draft-tree"]
     if has_eagle3:
         parts += ["eagle3", "eagle3-tree"]
+    if has_mtp:
+        parts.append("mtp")
+    if has_dflash:
+        parts += ["dflash", "dflash-tree"]
     return parts
 
 
@@ -310,7 +347,11 @@ def static_grid(
     grid = []
     for name in names:
         parts = name.split(",")
-        if name.endswith(ADAPTIVE) or static_base(name) != name or not {"draft", "eagle3"} & set(parts):
+        if (
+            name.endswith(ADAPTIVE)
+            or static_base(name) != name
+            or not {"draft", "eagle3", "dflash", "mtp"} & set(parts)
+        ):
             continue
         grid += [
             f"{name}@{p_min:g}/{n_max}"
@@ -341,7 +382,7 @@ def trace_facts(system: System) -> dict | None:
         return None
     facts: dict = {"spec": ",".join(system.spec_types) or "none", "tree": system.tree}
     config = system.drafting
-    if config is not None and {"draft", "eagle3"} & set(system.spec_types):
+    if config is not None and {"draft", "eagle3", "dflash", "mtp"} & set(system.spec_types):
         facts |= {"draft_n_max": config.n_max, "draft_n_min": config.n_min, "draft_p_min": config.p_min}
         if config.n_parallel > 1:
             facts |= {"draft_n_parallel": config.n_parallel, "draft_p_split": config.p_split}

@@ -31,6 +31,7 @@ and "verify".
 
 from __future__ import annotations
 
+import gzip
 import json
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -162,8 +163,10 @@ def write_traces(out: TextIO, traces: Iterable[Trace]) -> None:
 
 
 def read_traces(path: Path) -> list[Trace]:
-    """Every trace in a file, with a clear error for a line that is not one."""
-    return list(parse_traces(path.read_text().splitlines(), str(path)))
+    """Every trace in a file (gzip-compressed where its name ends in .gz), with a clear error
+    for a line that is not one."""
+    text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+    return list(parse_traces(text.splitlines(), str(path)))
 
 
 def parse_traces(lines: Iterable[str], where: str = "traces") -> Iterator[Trace]:

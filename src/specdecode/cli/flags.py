@@ -44,6 +44,10 @@ STRATEGY_HELP = {
     "tokens (also: draft)",
     "draft-eagle3": "an EAGLE-3 head (-me) over the target's own hidden states proposes up to "
     "--spec-draft-n-max tokens (also: eagle3)",
+    "draft-dflash": "a DFlash drafter (-mdf) over the target's own hidden states proposes a whole block "
+    "in one pass, up to --spec-draft-n-max tokens (also: dflash)",
+    "draft-mtp": "the target's own multi-token-prediction layer (from -m's directory; `specdecode train mtp` "
+    "adds one) proposes up to --spec-draft-n-max tokens, chained (also: mtp)",
     "forced": "under --grammar/--json-schema/--regex: the tokens the grammar allows alone (added to any "
     "speculation)",
 }
@@ -96,6 +100,13 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
         help="read the head's layer ids as the inputs of target layers id + N (default: the offset "
         "the checkpoint's convention implies, printed at load: 0 for vLLM's and llama.cpp's, "
         "1 for SpecForge's 'output of layer' ids)",
+    )
+    group.add_argument(
+        "-mdf",
+        "--model-draft-dflash",
+        type=Path,
+        metavar="DIR",
+        help="DFlash drafter directory, z-lab's layout (enables --spec-type draft-dflash)",
     )
     group.add_argument("-c", "--ctx-size", type=int, default=0, help="target context size (0: the model's)")
     group.add_argument(

@@ -157,8 +157,8 @@ def draft_config(args: argparse.Namespace) -> DraftModelConfig:
 
 def check_tree_flags(args: argparse.Namespace, uses_draft: bool, uses_eagle3: bool) -> None:
     """Refuse tree flags that would change nothing, as --spec-type forced is refused without a
-    grammar: only a draft model branches (--draft-n-parallel), only an EAGLE-3 head drafts
-    dynamic trees (--draft-tree-tokens, --draft-tree-topk when given)."""
+    grammar: only a draft model branches (--draft-n-parallel), only an EAGLE-3 head or a DFlash
+    drafter (uses_eagle3) drafts dynamic trees (--draft-tree-tokens, --draft-tree-topk when given)."""
     if args.draft_n_parallel > 1 and not uses_draft:
         raise SpecdecodeError(
             f"--draft-n-parallel {args.draft_n_parallel} branches a draft model's drafts: "
@@ -170,8 +170,9 @@ def check_tree_flags(args: argparse.Namespace, uses_draft: bool, uses_eagle3: bo
     ):
         if given and not uses_eagle3:
             raise SpecdecodeError(
-                f"{flag} {value} shapes an EAGLE-3 head's trees: give a head (-me DIR) drafting "
-                "with --spec-type draft-eagle3"
+                f"{flag} {value} shapes an EAGLE-3 head's trees (or a DFlash drafter's): give a head "
+                "(-me DIR) drafting with --spec-type draft-eagle3, or a drafter (-mdf DIR), or draft with "
+                "the target's MTP layer (--spec-type draft-mtp)"
             )
 
 
@@ -223,6 +224,7 @@ def speculative_config_from_args(args: argparse.Namespace) -> dict[str, Any] | N
     for flag, value in (
         ("-md/--model-draft", args.model_draft),
         ("-me/--model-eagle3", args.model_eagle3),
+        ("-mdf/--model-draft-dflash", args.model_draft_dflash),
         ("--spec-type", args.spec_type),
     ):
         if value is not None:
@@ -248,14 +250,14 @@ def speculative_config_from_args(args: argparse.Namespace) -> dict[str, Any] | N
 def pipeline_from_args(args: argparse.Namespace) -> Pipeline:
     """The pipeline the flags describe, each start-up phase said on stderr as it begins."""
     from specdecode.api import Pipeline
-    from specdecode.defaults import resolve_eagle3, resolve_models
+    from specdecode.defaults import resolve_dflash, resolve_eagle3, resolve_models
     from specdecode.verdicts import start_verdicts
 
     speculative = speculative_config_from_args(args)
     if speculative is not None:  # read for the checks below; Pipeline.load reads it again
         choice = SpeculativeChoice.read(speculative, draft_config(args), ngram_from_args(args))
         check_cache_files_used(args, [choice.spec_type])
-        check_tree_flags(args, choice.spec_type == "draft", choice.spec_type == "eagle3")
+        check_tree_flags(args, choice.spec_type == "draft", choice.spec_type in ("eagle3", "dflash", "mtp"))
         # without -m, Pipeline.load takes the bundled target, and its draft or head where the
         # config names no model
         sources: dict[str, Any] = {"speculative_config": speculative}
@@ -263,19 +265,32 @@ def pipeline_from_args(args: argparse.Namespace) -> Pipeline:
         args.model = resolve_models(args.model, None)[0]  # what the server reports
     else:
         spec_types = parse_spec_types(args.spec_type) if args.spec_type is not None else None
-        if spec_types is None and args.model_eagle3 is not None:
-            # -me enables eagle3 as -md enables draft: both given, both run (draft first)
-            spec_types = (["draft"] if args.model_draft is not None else []) + ["eagle3"]
+        if spec_types is None and (args.model_eagle3 is not None or args.model_draft_dflash is not None):
+            # -me and -mdf enable their strategies as -md enables draft: all given, all run
+            spec_types = [
+                name
+                for name, given in (
+                    ("draft", args.model_draft),
+                    ("eagle3", args.model_eagle3),
+                    ("dflash", args.model_draft_dflash),
+                )
+                if given is not None
+            ]
         check_cache_files_used(args, spec_types)
         asks_eagle3 = spec_types is not None and "eagle3" in spec_types
         head = resolve_eagle3(args.model, args.model_eagle3) if asks_eagle3 else None
+        asks_dflash = spec_types is not None and "dflash" in spec_types
+        dflash = resolve_dflash(args.model, args.model_draft_dflash) if asks_dflash else None
         args.model, args.model_draft = resolve_models(args.model, args.model_draft)
         model = args.model
         needs_draft = spec_types is None or "draft" in spec_types
-        check_tree_flags(args, needs_draft and args.model_draft is not None, head is not None)
+        asks_mtp = spec_types is not None and "mtp" in spec_types  # the target's own layers: no flag
+        trees = head is not None or dflash is not None or asks_mtp
+        check_tree_flags(args, needs_draft and args.model_draft is not None, trees)
         sources = {
             "draft": args.model_draft if needs_draft else None,
             "eagle3": head,
+            "dflash": dflash,
             "spec_types": spec_types,
         }
     target_options, draft_options = load_options(args)
@@ -293,6 +308,10 @@ def pipeline_from_args(args: argparse.Namespace) -> Pipeline:
     )
     if pipeline.eagle3 is not None:
         print_note(pipeline.eagle3.layer_note)
+    if pipeline.dflash is not None:
+        print_note(pipeline.dflash.layer_note)
+    if pipeline.mtp is not None:
+        print_note(pipeline.mtp.layer_note)
     for backend in (pipeline.target, pipeline.draft):
         if getattr(backend, "dtype_note", None):  # the dtype "auto" chose, where the CPU decided it
             print_note(backend.dtype_note)

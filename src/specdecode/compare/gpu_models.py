@@ -25,6 +25,11 @@ from specdecode.backends.load import native_backend
 from specdecode.compare.gpu_report import Report
 from specdecode.compare.gpu_setup import LLAMA3_ROPE, N_CTX, SEED, Shape, Sizes
 from specdecode.generate import Generation
+from specdecode.strategies.dflash_head import DFlashConfig, DFlashHead
+from specdecode.strategies.dflash_head import default_layer_ids as dflash_layer_ids
+from specdecode.strategies.eagle3_head import Eagle3Config, Eagle3Head
+from specdecode.strategies.eagle3_layouts import default_layer_ids
+from specdecode.strategies.mtp_head import MtpConfig, MtpLayer
 
 
 @dataclass
@@ -227,3 +232,72 @@ def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
         if x != y:
             return index
     return None if len(a) == len(b) else min(len(a), len(b))
+
+
+HEAD_DRAFT_VOCAB = 32000  # published EAGLE-3 heads of Llama 3 draft from 32k ids
+# Published DFlash drafters of 8B targets (z-lab's): 5 layers over 5 target layers, blocks of 16.
+DFLASH_LAYERS = 5
+DFLASH_BLOCK = 16
+
+
+def random_head(shape: Shape, model: PreTrainedModel, device: torch.device) -> Eagle3Head:
+    """A random EAGLE-3 head of the shape published for a target of `shape`: one decoder layer
+    of the target's width over three of its layers' inputs, a 32k draft vocabulary mapped into
+    the target's (d2t), the target's embeddings shared. A target of fewer than 6 layers (the
+    tiny one) is read at its first, middle and last layer inputs."""
+    layers = default_layer_ids(shape.layers) if shape.layers >= 6 else (0, shape.layers // 2, shape.layers)
+    config = Eagle3Config(
+        hidden_size=shape.hidden,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        intermediate_size=shape.intermediate,
+        target_hidden_size=shape.hidden,
+        target_layer_ids=layers,
+        vocab_size=shape.vocab,
+        draft_vocab_size=min(HEAD_DRAFT_VOCAB, shape.vocab // 2),
+        rope_theta=500000.0,
+    )
+    with random_weights(device):
+        head = Eagle3Head(config, model.get_input_embeddings().weight)
+    return head.eval()
+
+
+def random_dflash(shape: Shape, model: PreTrainedModel, device: torch.device) -> DFlashHead:
+    """A random DFlash drafter of the published 8B drafters' shape: DFLASH_LAYERS decoder layers
+    of the target's width over as many target layers (z-lab's spacing), blocks of DFLASH_BLOCK,
+    the target's rotary scaling, embeddings and output head."""
+    config = DFlashConfig(
+        hidden_size=shape.hidden,
+        num_hidden_layers=DFLASH_LAYERS,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        intermediate_size=shape.intermediate,
+        target_layer_ids=dflash_layer_ids(shape.layers, DFLASH_LAYERS),
+        block_size=DFLASH_BLOCK,
+        mask_token_id=shape.vocab - 1,
+        vocab_size=shape.vocab,
+        max_position_embeddings=N_CTX,
+        rope_theta=LLAMA3_ROPE["rope_theta"],
+        rope_scaling={key: value for key, value in LLAMA3_ROPE.items() if key != "rope_theta"},
+    )
+    with random_weights(device):
+        head = DFlashHead(config, model.get_input_embeddings().weight, model.get_output_embeddings().weight)
+    return head.eval()
+
+
+def random_mtp(shape: Shape, model: PreTrainedModel, device: torch.device) -> MtpLayer:
+    """A random MTP layer for a target of `shape`: one decoder layer of its shape, reading its
+    final hidden state, with its embeddings, output head and final norm."""
+    config = MtpConfig(
+        hidden_size=shape.hidden,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        intermediate_size=shape.intermediate,
+        vocab_size=shape.vocab,
+        n_layers=shape.layers,
+        rope_theta=500000.0,
+    )
+    embeddings = model.get_input_embeddings().weight
+    with random_weights(device):
+        layer = MtpLayer(config, embeddings, model.get_output_embeddings().weight, model.model.norm.weight)
+    return layer.eval()

@@ -3,11 +3,13 @@ acceptance real pairs showed on a CPU (the protocol of the reference's gpu.md, s
 
 Random weights accept nothing, and no real model of these shapes reaches the device. So the
 acceptance comes from traces recorded with real pairs (`specdecode.bench.traces`, the set in
-acceptance_traces.jsonl next to this module), replayed through random-weight targets of the
+acceptance_traces.jsonl.gz next to this module), replayed through random-weight targets of the
 check's shapes with the drafters at their real shapes (`specdecode.bench.replay`): a draft
-model of the 1B shape for the 8B target, an EAGLE-3 head of the target's width, the
-model-free strategies' own code. Every pass runs; only the accept decisions and the emitted
-ids come from the traces, so tokens per pass are the recorded ones, which each row checks.
+model of the 1B shape for the 8B target, an EAGLE-3 head of the target's width, a DFlash
+drafter of the published 8B drafters' shape (5 layers of the target's width, blocks of 16), an
+MTP layer (one decoder layer of the target's shape), the model-free strategies' own code.
+Every pass runs; only the accept decisions and the emitted ids come from the traces, so tokens
+per pass are the recorded ones, which each row checks.
 
 Per (pair, strategy, task, temperature) a row: tokens/s and ms/token, the step split (draft,
 verify, host), the GPU's idle share, the speed-up over our plain decoding and over the
@@ -17,7 +19,8 @@ bundled pair generates for real on the device while its trace is recorded, and t
 replayed through the same models: the two speeds should agree within CALIBRATION_GOAL.
 
 Timing: the section's budget is shared out over the shapes in the run's order, each shape's
-groups first (temperature 0 before 0.8, draft model, EAGLE-3, ngram-mod, suffix first), its
+groups first (temperature 0 before 0.8, draft model, EAGLE-3, DFlash, MTP, ngram-mod, suffix
+first), its
 batches (smaller ones first) in the share's last BATCH_SHARE; past a share, what is left is
 skipped and listed.
 Replays run in the run's first timing mode (fixed on a GPU, whose passes give plain's bits).
@@ -34,7 +37,6 @@ from itertools import zip_longest
 from pathlib import Path
 from typing import Any
 
-import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from specdecode.api import Pipeline
@@ -57,12 +59,16 @@ from specdecode.bench.traces import Trace, read_traces, record_steps
 from specdecode.compare.gpu_baselines import strongest_baseline
 from specdecode.compare.gpu_exactness import load_pair
 from specdecode.compare.gpu_models import (
+    DFLASH_BLOCK,
+    DFLASH_LAYERS,
     Run,
     Timing,
     gpu_seconds,
     make_backend,
+    random_dflash,
+    random_head,
     random_model,
-    random_weights,
+    random_mtp,
     start_gpu_timing,
     timed_generation,
     truncate_all,
@@ -72,20 +78,21 @@ from specdecode.costs import CostModel, calibrate
 from specdecode.defaults import bundled_pair
 from specdecode.generate import GenerationConfig
 from specdecode.sampling import SamplingParams
-from specdecode.strategies.eagle3_head import Eagle3Config, Eagle3Head
-from specdecode.strategies.eagle3_layouts import default_layer_ids
+from specdecode.strategies.dflash_head import DFlashHead
+from specdecode.strategies.eagle3_head import Eagle3Head
+from specdecode.strategies.mtp_head import MtpLayer
 
 SECTION = "replay"
 REPLAY_BUDGET = 150.0  # seconds of the section on a GPU, both shapes
-TRACES = Path(__file__).with_name("acceptance_traces.jsonl")
+TRACES = Path(__file__).with_name("acceptance_traces.jsonl.gz")
 TRACES_PER_GROUP = 1  # a trace per (pair, strategy, task, temperature): the budget reaches more groups
 BUNDLED = "bundled"  # the bundled pair's name in the trace headers
-STRATEGY_ORDER = ("draft", "eagle3", "ngram-mod", "suffix")  # what the budget reaches first
+STRATEGY_ORDER = ("draft", "eagle3", "dflash", "mtp", "ngram-mod", "suffix")  # what the budget reaches first
 TREE = " tree"  # marks a group of tree traces: "draft tree", "eagle3 tree"
 BATCH_SHARE = 0.3  # of each shape's share of the budget: its batches
 BATCH_STEPS = 16  # steps of each trace a batch replays: a batch of 32 whole traces takes half a minute
 WARMUP_STEPS = 4  # steps of each replayed before a batch is timed (its passes' graphs are captured)
-HEAD_DRAFT_VOCAB = 32000  # published EAGLE-3 heads of Llama 3 draft from 32k ids
+HIDDEN_STATE_STRATEGIES = ("eagle3", "dflash", "mtp")  # their targets record hidden states
 TINY_DRAFTER = Shape("tiny drafter", 32, 1, 2, 1, 64, 512, True)  # the tiny target's, on a CPU
 # The target's label -> its draft model's shape; the 1B target has none (no smaller Llama 3).
 DRAFTER_SHAPES = {SHAPES["8b"].label: SHAPES["1b"], SHAPES["tiny"].label: TINY_DRAFTER}
@@ -171,6 +178,12 @@ def drafts(strategy: str) -> bool:
     return "draft" in names_of(strategy)
 
 
+def heads(drafters: DraftModels) -> bool:
+    """Whether a head drafts (an EAGLE-3 head, a DFlash drafter, an MTP layer): modules whose
+    kernels the GPU-time helpers do not see."""
+    return any(model is not None for model in (drafters.head, drafters.dflash, drafters.mtp))
+
+
 def strategy_rank(strategy: str) -> tuple[int, bool, str]:
     """Chains before trees, each in STRATEGY_ORDER."""
     name = strategy.removesuffix(TREE)
@@ -190,8 +203,9 @@ def group_order(key: Key) -> tuple:
 
 class ShapeModels:
     """What one shape's replays run on, made when first needed and kept for its groups: the
-    target (a fork of it for EAGLE-3, whose hidden states every pass then records), the draft
-    model, the head, and the cost model timed on them."""
+    target (a fork of it for each drafter reading hidden states, whose passes then record them),
+    the draft model, the EAGLE-3 head, the DFlash drafter, the MTP layer, and the cost model
+    timed on them."""
 
     def __init__(
         self,
@@ -209,23 +223,29 @@ class ShapeModels:
         needed = max(replay_context(trace) for trace in traces)
         self.n_ctx = max(N_CTX, -(-needed // 128) * 128)
         self.target = native_backend(model, tokenizer, passes=mode, n_ctx=self.n_ctx, name=shape.label)
-        self._eagle_target: Backend | None = None
+        self._hidden_targets: dict[str, Backend] = {}  # by the strategy reading hidden states
         self._draft: Backend | None = None
         self._head: Eagle3Head | None = None
+        self._dflash: DFlashHead | None = None
+        self._mtp: MtpLayer | None = None
         self._costs: CostModel | None = None
         self.warm: set[str] = set()  # strategies whose passes have run once (graphs captured)
 
     def target_for(self, strategy: str) -> Backend:
-        if "eagle3" not in names_of(strategy):
+        reader = next((name for name in names_of(strategy) if name in HIDDEN_STATE_STRATEGIES), None)
+        if reader is None:
             return self.target
-        if self._eagle_target is None:
-            self._eagle_target = self.target.fork()  # type: ignore[attr-defined]
-        return self._eagle_target
+        if reader not in self._hidden_targets:
+            self._hidden_targets[reader] = self.target.fork()  # type: ignore[attr-defined]
+        return self._hidden_targets[reader]
 
     def drafters(self, strategy: str) -> DraftModels:
+        names = names_of(strategy)
         return DraftModels(
             draft=self.draft() if drafts(strategy) else None,
-            head=self.head() if "eagle3" in names_of(strategy) else None,
+            head=self.head() if "eagle3" in names else None,
+            dflash=self.dflash() if "dflash" in names else None,
+            mtp=self.mtp() if "mtp" in names else None,
         )
 
     def draft(self) -> Backend:
@@ -242,6 +262,16 @@ class ShapeModels:
             self._head = random_head(self.shape, self.model, self.run.device)
         return self._head
 
+    def dflash(self) -> DFlashHead:
+        if self._dflash is None:
+            self._dflash = random_dflash(self.shape, self.model, self.run.device)
+        return self._dflash
+
+    def mtp(self) -> MtpLayer:
+        if self._mtp is None:
+            self._mtp = random_mtp(self.shape, self.model, self.run.device)
+        return self._mtp
+
     def costs(self) -> CostModel:
         """The cost model the adaptive policy would price steps by: the target's passes timed
         now, and the draft model's step once there is one."""
@@ -253,31 +283,16 @@ class ShapeModels:
     def drafter_name(self, strategy: str) -> str:
         if drafts(strategy):
             return f"draft model, {self.drafter_shape.label} shape"  # type: ignore[union-attr]
-        if "eagle3" in names_of(strategy):
+        names = names_of(strategy)
+        if "eagle3" in names:
             return f"EAGLE-3 head, width {self.shape.hidden}"
+        if "dflash" in names:
+            return (
+                f"DFlash drafter, {DFLASH_LAYERS} layers of width {self.shape.hidden}, block {DFLASH_BLOCK}"
+            )
+        if "mtp" in names:
+            return f"MTP layer, width {self.shape.hidden}"
         return "host code"
-
-
-def random_head(shape: Shape, model: PreTrainedModel, device: torch.device) -> Eagle3Head:
-    """A random EAGLE-3 head of the shape published for a target of `shape`: one decoder layer
-    of the target's width over three of its layers' inputs, a 32k draft vocabulary mapped into
-    the target's (d2t), the target's embeddings shared. A target of fewer than 6 layers (the
-    tiny one) is read at its first, middle and last layer inputs."""
-    layers = default_layer_ids(shape.layers) if shape.layers >= 6 else (0, shape.layers // 2, shape.layers)
-    config = Eagle3Config(
-        hidden_size=shape.hidden,
-        num_attention_heads=shape.heads,
-        num_key_value_heads=shape.kv_heads,
-        intermediate_size=shape.intermediate,
-        target_hidden_size=shape.hidden,
-        target_layer_ids=layers,
-        vocab_size=shape.vocab,
-        draft_vocab_size=min(HEAD_DRAFT_VOCAB, shape.vocab // 2),
-        rope_theta=500000.0,
-    )
-    with random_weights(device):
-        head = Eagle3Head(config, model.get_input_embeddings().weight)
-    return head.eval()
 
 
 # --------------------------------------------------------------------------- timing
@@ -348,7 +363,7 @@ def replay_group(run: Run, models: ShapeModels, key: Key, traces: list[Trace]) -
         truncate_all(measured, 0)
         generation = replay_generation(trace, target, drafters)
         _, timing = timed_generation(run, measured, generation)
-        if drafters.head is not None:  # the head's kernels are not timed: the idle share is unknown
+        if heads(drafters):  # a head's kernels are not timed: the idle share is unknown
             timing = replace(timing, idle=None)
         totals.add(result_of(generation), timing)
     steps = [step for trace in chosen for step in trace.steps[1:]]
@@ -446,7 +461,7 @@ def replay_batches(run: Run, models: ShapeModels, strategy: str, traces: list[Tr
     results = replay_batch(chosen, seats)
     run.sync()
     seconds = time.perf_counter() - start
-    busy = None if drafters.head is not None else gpu_seconds(backends)
+    busy = None if heads(drafters) else gpu_seconds(backends)
     for result in results:
         check_replay(result)
     plain = speed_row(run, models.shape, models.mode, f"ours batch of {count}")

@@ -6,7 +6,9 @@ the original layout with launch flags; llama-server reads GGUF files (see `expor
 draft model is a Hugging Face directory already: every engine takes it as it is, so only its
 command lines are written. The layer ids written are inputs of target layers, the reading of
 vLLM and llama.cpp; SGLang reads them the same way unless the first id is 1, which training
-here refuses (see `strategies.eagle3_layouts`).
+here refuses (see `strategies.eagle3_layouts`). A DFlash drafter goes to both engines in z-lab's
+layout (`strategies.dflash_checkpoint`, ids as outputs of layers), which vLLM
+(`"method": "dflash"`) and SGLang (`--speculative-algorithm DFLASH`) read as z-lab publishes it.
 """
 
 from __future__ import annotations
@@ -98,7 +100,7 @@ class Served:
     """The command line that serves a target with a drafter in one engine."""
 
     engine: str
-    drafter: str  # "eagle3" or "draft"
+    drafter: str  # "eagle3", "dflash" or "draft"
     command: list[str]
 
     def line(self) -> str:
@@ -112,7 +114,7 @@ def vllm_speculative_config(method: str, model: Path, tokens: int) -> dict:
 def vllm_commands(target: Path, drafter: str, model: Path, tokens: int, out: Path) -> list[Served]:
     """`vllm serve` lines: with --speculative-config (written beside them), and for a
     speculators directory the one-argument form that reads the verifier from it."""
-    method = "eagle3" if drafter == "eagle3" else "draft_model"
+    method = drafter if drafter in ("eagle3", "dflash") else "draft_model"
     spec = vllm_speculative_config(method, model, tokens)
     path = out / f"speculative-config-{drafter}.json"
     path.write_text(json.dumps(spec, indent=2) + "\n")
@@ -125,6 +127,14 @@ def vllm_commands(target: Path, drafter: str, model: Path, tokens: int, out: Pat
 
 
 def sglang_command(target: Path, drafter: str, model: Path, tokens: int) -> Served:
+    """A DFlash block is the last token and the drafted ones: SGLang verifies tokens + 1 rows."""
+    if drafter == "dflash":
+        command = [
+            *("python", "-m", "sglang.launch_server", "--model-path", str(target)),
+            *("--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", str(model)),
+            *("--speculative-num-draft-tokens", str(tokens + 1)),
+        ]
+        return Served("sglang", drafter, command)
     algorithm = "EAGLE3" if drafter == "eagle3" else "STANDALONE"
     command = [
         *("python", "-m", "sglang.launch_server", "--model-path", str(target)),
@@ -136,7 +146,7 @@ def sglang_command(target: Path, drafter: str, model: Path, tokens: int) -> Serv
 
 
 def llama_server_command(target_gguf: Path, drafter: str, drafter_gguf: Path, tokens: int) -> Served:
-    spec_type = "draft-eagle3" if drafter == "eagle3" else "draft-simple"
+    spec_type = {"eagle3": "draft-eagle3", "dflash": "draft-dflash"}.get(drafter, "draft-simple")
     command = [
         *("llama-server", "-m", str(target_gguf), "-md", str(drafter_gguf)),
         *("--spec-type", spec_type, "--spec-draft-n-max", str(tokens)),

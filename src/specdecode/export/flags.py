@@ -14,8 +14,8 @@ from specdecode.export.choices import CONVERT_DTYPES, ENGINES
 def add_export_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "export",
-        help="the target with its draft and EAGLE-3 head for vLLM, SGLang and llama.cpp, and the commands "
-        "that serve them",
+        help="the target with its draft, EAGLE-3 head and DFlash drafter for vLLM, SGLang and llama.cpp, "
+        "and the commands that serve them",
         epilog="example:\n  specdecode export --out exported --engines vllm,llama.cpp",
     )
     parser.add_argument("-m", "--model", type=Path, help="target directory (default: the bundled pair)")
@@ -25,6 +25,13 @@ def add_export_parser(subparsers: argparse._SubParsersAction) -> None:
         "--model-eagle3",
         type=Path,
         help="EAGLE-3 head directory (default with the bundled target: its head)",
+    )
+    parser.add_argument(
+        "-mdf",
+        "--model-draft-dflash",
+        type=Path,
+        metavar="DIR",
+        help="DFlash drafter directory (z-lab's layout)",
     )
     parser.add_argument("--out", type=Path, required=True, help="output directory")
     parser.add_argument(
@@ -37,15 +44,16 @@ def add_export_parser(subparsers: argparse._SubParsersAction) -> None:
         "--draft-max",
         dest="draft_max",
         type=int,
-        default=3,
-        help="tokens drafted per step in the commands written (default: 3, current llama.cpp's)",
+        help="tokens drafted per step in the commands written (default: 3, current llama.cpp's; for a "
+        "DFlash drafter its block size - 1)",
     )
     parser.add_argument(
         "--gguf-type",
         choices=[*GGUF_FORMATS, *LLAMA_CPP_FORMATS],
         default="f32",
         help="GGUF weight type of the target and draft (default: f32; q4_k: llama.cpp's quantizer, "
-        "from the llama-cpp extra); the head is written in f32 when quantized types are asked",
+        "from the llama-cpp extra); the head and DFlash drafter are written in f32 when quantized types "
+        "are asked",
     )
     parser.add_argument(
         "--eagle3-layer-offset",

@@ -67,7 +67,8 @@ class Service(Answers):
         self.n_ctx = pipeline.target.n_ctx
         self.metrics = Metrics(pipeline.spec_types, start_verdicts(pipeline.target, pipeline.spec_types))
         rule = pipeline.load_rule() if pipeline.spec_types else None
-        passes = DraftPasses() if pipeline.draft is not None or pipeline.eagle3 is not None else None
+        models = (pipeline.draft, pipeline.eagle3, pipeline.mtp)
+        passes = DraftPasses() if any(model is not None for model in models) else None
         forks = pipeline.forks(settings.parallel, passes)  # one context for all where the backend can
         self.slots = SlotPool(
             forks,

@@ -14,14 +14,24 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from specdecode.backends import Backend
-from specdecode.config import NEEDS_DRAFT, NEEDS_HEAD, PRIORITY, NgramSettings, parse_spec_types
+from specdecode.config import (
+    NEEDS_DFLASH,
+    NEEDS_DRAFT,
+    NEEDS_HEAD,
+    NEEDS_MTP,
+    PRIORITY,
+    NgramSettings,
+    parse_spec_types,
+)
 from specdecode.drafts import Draft
 from specdecode.errors import SpecdecodeError
 from specdecode.sampling import Sampler, SamplingParams
 from specdecode.strategies.base import Strategy
+from specdecode.strategies.dflash import DFlashStrategy
 from specdecode.strategies.draft_model import DraftModelConfig, DraftModelStrategy
 from specdecode.strategies.eagle3 import Eagle3Strategy
 from specdecode.strategies.forced import ForcedStrategy
+from specdecode.strategies.mtp import MtpStrategy
 from specdecode.strategies.ngram_cache import NgramCache, NgramCacheStrategy, load
 from specdecode.strategies.ngram_map import NgramMapStrategy
 from specdecode.strategies.ngram_mod import NgramModConfig, NgramModPool, NgramModStrategy
@@ -31,7 +41,9 @@ from specdecode.vocab import VocabTranslator
 
 if TYPE_CHECKING:
     from specdecode.constraints import Constraint
+    from specdecode.strategies.dflash_head import DFlashHead
     from specdecode.strategies.eagle3_head import Eagle3Head
+    from specdecode.strategies.mtp_head import MtpLayer
 
 
 class SharedState:
@@ -67,6 +79,8 @@ class SpecSetup:
     draft: DraftModelConfig = field(default_factory=DraftModelConfig)
     translator: VocabTranslator | None = None
     eagle3_head: Eagle3Head | None = None  # uses the draft settings (`draft`) too
+    dflash_head: DFlashHead | None = None  # likewise
+    mtp_head: MtpLayer | None = None  # the target's own MTP layer; likewise
     ngram: NgramSettings = field(default_factory=NgramSettings)
     shared: SharedState | None = None
     constraint: Constraint | None = None  # the generation's grammar, if any
@@ -100,6 +114,20 @@ def _build_eagle3(setup: SpecSetup) -> Strategy:
     return Eagle3Strategy(
         setup.eagle3_head, setup.target, setup.draft, _draft_sampler(setup, 2), setup.constraint
     )
+
+
+def _build_dflash(setup: SpecSetup) -> Strategy:
+    if setup.dflash_head is None or setup.target is None:
+        raise SpecdecodeError(NEEDS_DFLASH)
+    return DFlashStrategy(
+        setup.dflash_head, setup.target, setup.draft, _draft_sampler(setup, 3), setup.constraint
+    )
+
+
+def _build_mtp(setup: SpecSetup) -> Strategy:
+    if setup.mtp_head is None or setup.target is None:
+        raise SpecdecodeError(NEEDS_MTP)
+    return MtpStrategy(setup.mtp_head, setup.target, setup.draft, _draft_sampler(setup, 4), setup.constraint)
 
 
 def _shared(setup: SpecSetup) -> SharedState:
@@ -162,6 +190,8 @@ FACTORIES: dict[str, Callable[[SpecSetup], Strategy]] = {
     "suffix": lambda setup: SuffixStrategy(setup.ngram.suffix, _shared(setup).suffix),
     "draft": _build_draft_model,
     "eagle3": _build_eagle3,
+    "dflash": _build_dflash,
+    "mtp": _build_mtp,
     "forced": _build_forced,
 }
 assert set(FACTORIES) == set(PRIORITY), "every strategy needs its place in PRIORITY, and every name a factory"

@@ -1,12 +1,13 @@
-"""`specdecode train tokenizer|target|draft|eagle3`: the command line over the training modules
+"""`specdecode train tokenizer|target|draft|eagle3|dflash|mtp`: the command line over the training modules
 (its flags are in `specdecode.train.flags`).
 
 The default corpus is the Python standard library's train split (see `corpus`); `--data`
 trains on your own text or code instead (a file, or a directory of files). Token streams
 are encoded once and kept beside the output (`tokens-train.npy`), so a resumed run does not
 encode again; they are written there only once the arguments, the models and the corpus have
-been checked, so a refused run leaves `--out` as it was. `train eagle3 --calibrate-only` fits
-the confidence scale of the head already in `--out` without training it.
+been checked, so a refused run leaves `--out` as it was. `train eagle3 --calibrate-only` (and
+`train dflash --calibrate-only`) fits the confidence scale of the head already in `--out`
+without training it.
 """
 
 from __future__ import annotations
@@ -26,8 +27,11 @@ from specdecode.backends.hf import load_tokenizer
 from specdecode.errors import SpecdecodeError
 from specdecode.train import distributed
 from specdecode.train.corpus import corpus_files, encode_files, split_files, stdlib_root
+from specdecode.train.dflash import DFlashShape, train_dflash
+from specdecode.train.dflash import calibrate_saved_head as calibrate_saved_dflash
 from specdecode.train.eagle3 import HeadShape, calibrate_saved_head, train_eagle3
 from specdecode.train.lm import DRAFT_SHAPE, TARGET_SHAPE, TrainConfig, train_draft, train_target
+from specdecode.train.mtp import MtpShape, train_mtp
 from specdecode.train.tokenizer import train_tokenizer
 
 TOKENS_FILE = "tokens-train.npy"
@@ -149,6 +153,60 @@ def run_eagle3(args: argparse.Namespace) -> None:
         on_start=keep_tokens(tokens, args),
     )
     print(f"EAGLE-3 head -> {out}", file=sys.stderr)
+
+
+@distributed_entry
+def run_mtp(args: argparse.Namespace) -> None:
+    config = config_from_args(args)
+    tokens = training_tokens(load_tokenizer(args.target), args)
+    out = train_mtp(
+        tokens,
+        args.target,
+        args.out,
+        MtpShape(unroll=args.unroll),
+        config,
+        generated_tokens=args.generated_tokens,
+        on_start=keep_tokens(tokens, args),
+    )
+    print(f"target with an MTP layer -> {out}", file=sys.stderr)
+
+
+@distributed_entry
+def run_dflash(args: argparse.Namespace) -> None:
+    config = config_from_args(args)
+    if args.calibrate_only:
+        record = calibrate_saved_dflash(
+            args.target, args.out, lambda tokenizer: training_tokens(tokenizer, args), config
+        )
+        print(json.dumps(record, indent=1))
+        print(
+            f"DFlash drafter calibrated -> {args.out} (scale {record['scale']:.3f}; agreement "
+            f"{record['agreement']:.3f})",
+            file=sys.stderr,
+        )
+        return
+    shape = DFlashShape(
+        layers=args.layers,
+        heads=args.heads,
+        kv_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        intermediate=args.intermediate,
+        block_size=args.block_size,
+        anchors=args.anchors,
+        layer_ids=_layer_ids(args.layer_ids),
+        mask_token_id=args.mask_token_id,
+    )
+    tokens = training_tokens(load_tokenizer(args.target), args)
+    out = train_dflash(
+        tokens,
+        args.target,
+        args.out,
+        shape,
+        config,
+        generated_tokens=args.generated_tokens,
+        on_start=keep_tokens(tokens, args),
+    )
+    print(f"DFlash drafter -> {out}", file=sys.stderr)
 
 
 def run_eagle3_calibration(args: argparse.Namespace) -> None:

@@ -104,3 +104,42 @@ class HeadShape:
 
 
 EAGLE3_SHAPE = HeadShape()
+
+
+@dataclass(frozen=True)
+class DFlashShape:
+    """A DFlash drafter's sizes (its hidden size, embeddings and output head are the target's) and
+    how it is trained: `anchors` blocks per training sequence share one target pass."""
+
+    layers: int = 1
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 64
+    intermediate: int = 256
+    block_size: int = 8
+    anchors: int = 32
+    layer_ids: tuple[int, ...] | None = None  # None: z-lab's spread of two layers (see train.dflash)
+    mask_token_id: int | None = None  # None: the target's pad token
+
+    def __post_init__(self) -> None:
+        sizes = (self.layers, self.heads, self.kv_heads, self.head_dim, self.intermediate, self.anchors)
+        if min(sizes) < 1:
+            raise SpecdecodeError(f"drafter sizes and anchors must be >= 1: {self}")
+        if self.heads % self.kv_heads:
+            raise SpecdecodeError(f"kv_heads {self.kv_heads} must divide heads {self.heads}")
+        if self.block_size < 2:
+            raise SpecdecodeError(f"block_size {self.block_size} drafts nothing (at least 2)")
+
+
+DFLASH_SHAPE = DFlashShape()
+
+
+@dataclass(frozen=True)
+class MtpShape:
+    """What `train mtp` chooses; the MTP layer's sizes are the target's own layer's."""
+
+    unroll: int = 3  # training-time-test steps: drafting chains the layer on its own state
+
+    def __post_init__(self) -> None:
+        if self.unroll < 1:
+            raise SpecdecodeError(f"unroll must be >= 1, not {self.unroll}")

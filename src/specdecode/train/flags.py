@@ -1,4 +1,4 @@
-"""The flags of `specdecode train tokenizer|target|draft|eagle3` and `specdecode eval`.
+"""The flags of `specdecode train tokenizer|target|draft|eagle3|dflash|mtp` and `specdecode eval`.
 
 Kept apart from the training modules, which import torch: building the command line (and
 answering --help or a mistyped flag) imports nothing heavy. Each handler is named as
@@ -14,11 +14,13 @@ from pathlib import Path
 from specdecode.config import DraftModelConfig
 from specdecode.train.config import (
     DEVICES,
+    DFLASH_SHAPE,
     EAGLE3_SHAPE,
     NEW_TOKENS,
     PRECISIONS,
     PREFIX_TOKENS,
     SAVE_DTYPE_NAMES,
+    MtpShape,
     TrainConfig,
 )
 
@@ -49,7 +51,7 @@ CHOICES = {"device": DEVICES, "save_dtype": SAVE_DTYPE_NAMES, "precision": PRECI
 def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
     train = subparsers.add_parser(
         "train",
-        help="train a tokenizer, a target, or a draft or EAGLE-3 head for any target",
+        help="train a tokenizer, a target, or a draft, EAGLE-3 head or DFlash drafter for any target",
         epilog="example:\n  specdecode train draft --target TARGET_DIR --out DRAFT_DIR --steps 2000",
     )
     commands = train.add_subparsers(dest="train_command", required=True)
@@ -124,6 +126,76 @@ def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     add_training_args(eagle3)
     eagle3.set_defaults(handler="specdecode.train.commands:run_eagle3")
+
+    mtp = commands.add_parser(
+        "mtp",
+        help="add one trained MTP layer to any local target, for --spec-type draft-mtp (resumes)",
+        usage="%(prog)s --target DIR --out DIR [options]",
+        epilog="example:\n  specdecode train mtp --target TARGET_DIR --out TARGET_WITH_MTP_DIR --steps 2000",
+    )
+    mtp.add_argument("--target", type=Path, required=True, help="target model directory")
+    mtp.add_argument(
+        "--out", type=Path, required=True, help="output directory: the target's files with the layer added"
+    )
+    mtp.add_argument(
+        "--unroll", type=int, default=MtpShape.unroll, help="training-time-test steps (chained drafts)"
+    )
+    mtp.add_argument(
+        "--generated-tokens",
+        type=int,
+        default=0,
+        metavar="N",
+        help="self-distillation, as for train eagle3 (default: 0, the corpus)",
+    )
+    add_training_args(mtp)
+    mtp.set_defaults(handler="specdecode.train.commands:run_mtp")
+
+    dflash = commands.add_parser(
+        "dflash",
+        help="a DFlash block drafter for any local target, for --spec-type draft-dflash (resumes)",
+        usage="%(prog)s --target DIR --out DIR [options]",
+        epilog="example:\n  specdecode train dflash --target TARGET_DIR --out DRAFTER_DIR --steps 2000",
+    )
+    dflash.add_argument("--target", type=Path, required=True, help="target model directory")
+    dflash.add_argument("--out", type=Path, required=True, help="output drafter directory (z-lab's layout)")
+    dflash.add_argument(
+        "--calibrate-only",
+        action="store_true",
+        help="no training: fit the confidence scale of the drafter in --out for the target and save it "
+        "there (on --calibration-windows windows of --seq-len tokens)",
+    )
+    drafter = dflash.add_argument_group("drafter")
+    f = DFLASH_SHAPE
+    drafter.add_argument("--layers", type=int, default=f.layers, help="drafter layers")
+    drafter.add_argument("--heads", type=int, default=f.heads, help="attention heads")
+    drafter.add_argument("--kv-heads", type=int, default=f.kv_heads, help="key/value heads")
+    drafter.add_argument("--head-dim", type=int, default=f.head_dim, help="width of each head")
+    drafter.add_argument("--intermediate", type=int, default=f.intermediate, help="MLP width")
+    drafter.add_argument(
+        "--block-size",
+        type=int,
+        default=f.block_size,
+        help="block rows: the last token and block-size - 1 drafts",
+    )
+    drafter.add_argument(
+        "--layer-ids",
+        help="target layer inputs read, comma-separated (default: z-lab's two, spread from 2 to L-2)",
+    )
+    drafter.add_argument(
+        "--mask-token-id", type=int, help="id of the block's undrafted rows (default: the target's pad token)"
+    )
+    drafter.add_argument(
+        "--anchors", type=int, default=f.anchors, help="blocks trained per sequence, sharing one target pass"
+    )
+    dflash.add_argument(
+        "--generated-tokens",
+        type=int,
+        default=0,
+        metavar="N",
+        help="self-distillation, as for train eagle3 (default: 0, the corpus)",
+    )
+    add_training_args(dflash)
+    dflash.set_defaults(handler="specdecode.train.commands:run_dflash")
 
 
 def add_training_args(parser: argparse.ArgumentParser) -> None:
