@@ -41,6 +41,7 @@ from specdecode.strategies.dflash import DFlashStrategy
 from specdecode.strategies.dflash_checkpoint import load_head, save_head
 from specdecode.strategies.dflash_head import ContextCache, DFlashConfig, DFlashHead
 from specdecode.testing import save_model
+from specdecode.verdicts import _configured
 from specdecode.verify import verify_rejection
 
 GREEDY = SamplingParams(temperature=0)
@@ -244,6 +245,18 @@ def test_a_drafter_for_another_vocabulary_is_refused(zoo):
     )
     with pytest.raises(SpecdecodeError, match="vocabulary of 321 ids"):
         DFlashStrategy(other_head, other, DraftModelConfig())
+
+
+def test_verdicts_price_no_draft_longer_than_the_block(zoo):
+    """A block of 5 drafts at most 4 tokens, whatever n_max says: what a verdict prices."""
+    strategy = DFlashStrategy(
+        random_head(block_size=5), zoo.backend(eagle3_target()), DraftModelConfig(n_max=16)
+    )
+    assert _configured(strategy, 16) == 4
+    shorter = DFlashStrategy(
+        random_head(block_size=5), zoo.backend(eagle3_target()), DraftModelConfig(n_max=3)
+    )
+    assert _configured(shorter, 16) == 3
 
 
 # --------------------------------------------------------------------------- rejection sampling

@@ -182,9 +182,10 @@ def _model(
 
 
 def _configured(strategy: Strategy, n_max: int) -> int:
-    """The longest draft the strategy's settings allow (its `config`), else n_max."""
-    config = getattr(strategy, "config", None)
-    return getattr(config, "n_max", n_max)
+    """The longest draft the strategy's settings allow (its `config`, and the block a DFlash
+    drafter fills: its `longest`), else n_max."""
+    allowed = getattr(getattr(strategy, "config", None), "n_max", n_max)
+    return min(allowed, getattr(strategy, "longest", allowed))
 
 
 def _unsure(strategy: Strategy, counts: StrategyStats, steps: int) -> SpeculationVerdict | None:

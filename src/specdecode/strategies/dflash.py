@@ -69,6 +69,7 @@ class DFlashStrategy:
         self.target.capture_hidden(head.config.target_layer_ids)
         self.config = config
         self.n_min = config.n_min
+        self.longest = head.config.drafted  # a block's drafted positions: no draft is longer
         self.sampler = sampler if sampler is not None and not sampler.params.greedy else None
         self.cache = ContextCache(head.config.num_hidden_layers)
         self._context: list[int] = []  # tokens the cached context rows were made from
