@@ -19,9 +19,9 @@ verification stays exact.
 Trees (`tree_tokens` > 0): EAGLE-3's dynamic tree, built without further passes: every node at
 depth d - 1 takes its children from position d's logits. Nodes are scored by the product of
 their path's probabilities (or a policy's rule), the `tree_topk` best of a depth are expanded,
-and the `tree_tokens` best nodes are kept, best first. For rejection verification children are
-drawn without replacement and scored by rank, exactly as `Eagle3Strategy._children` does, so
-whether a node is kept never depends on which token was drawn into it.
+and the `tree_tokens` best nodes are kept, best first (`eagle3.best_first`). For rejection
+verification children are drawn without replacement and scored by rank, as EAGLE-3's are
+(`eagle3.tree_children`), so whether a node is kept never depends on which token was drawn.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from specdecode.sampling import NO_TOKEN, Sampler, distribution
 from specdecode.strategies.base import KeepDrafting
 from specdecode.strategies.dflash_head import ContextCache, DFlashHead
 from specdecode.strategies.draft_model import DraftModelConfig, continue_draft, look_further, top1_confidence
+from specdecode.strategies.eagle3 import best_first, ruled_scores, tree_children
 
 if TYPE_CHECKING:
     from specdecode.constraints import Constraint
@@ -163,11 +164,13 @@ class DFlashStrategy:
                     history = context  # what penalties see: the path too when sampling
                     if self.sampler is not None:
                         history = [*context, *path]
-                    children, child_scores, child_rows = self._children(row, history, topk)
+                    children, child_scores, child_rows = tree_children(row, self.sampler, history, topk)
                     child_confidences = [math.exp(score) for score in child_scores]
                     base = scores[parent] if parent >= 0 else 0.0
                     if self.keep_drafting is not None:
-                        child_scores = self._ruled_scores(base, depth, child_confidences, len(tokens))
+                        child_scores = ruled_scores(
+                            self.keep_drafting, base, depth, child_confidences, len(tokens)
+                        )
                         children, child_rows = children[: len(child_scores)], child_rows[: len(child_scores)]
                         base = 0.0  # ruled scores are whole paths' already
                     tokens += children
@@ -187,50 +190,4 @@ class DFlashStrategy:
         finally:
             if self.constraint is not None:
                 self.constraint.rewind()
-        # best first (a parent before its children on ties): every prefix is the best tree of its size
-        kept = sorted(range(len(tokens)), key=lambda i: (-scores[i], depths[i], i))[:budget]
-        if not kept or max(depths[i] for i in kept) < self.n_min:
-            return Draft()
-        index = {old: new for new, old in enumerate(kept)}
-        return Draft(
-            [tokens[i] for i in kept],
-            torch.stack([rows[i] for i in kept]) if rows else None,
-            parents=[index.get(parents[i], -1) for i in kept],
-            confidences=[confidences[i] for i in kept],
-        )
-
-    def _ruled_scores(
-        self, parent_score: float, depth: int, confidences: list[float], nodes: int
-    ) -> list[float]:
-        """As `Eagle3Strategy._ruled_scores`: the logs of the chances the policy's rule gives a
-        node's children (best rank first), each capped at the one before, for as many as it
-        finds worth their cost."""
-        scores: list[float] = []
-        for rank, confidence in enumerate(confidences):
-            reach = self.keep_drafting.node(math.exp(parent_score), depth, confidence, nodes + rank)
-            if reach is None:
-                break
-            scores.append(min(math.log(reach), scores[-1]) if scores else math.log(reach))
-        return scores
-
-    def _children(
-        self, logits: torch.Tensor, context: list[int], k: int
-    ) -> tuple[list[int], list[float], list[torch.Tensor]]:
-        """Up to k children from logits [V] after `context`, as `Eagle3Strategy._children`:
-        their tokens, the logs of their score factors (the j-th largest probability for the
-        j-th child) and, for rejection, the distributions they were drawn from (without
-        replacement)."""
-        log_probs = torch.log_softmax(logits.to(torch.float64), dim=-1)
-        if self.sampler is None:
-            count = min(k, int(torch.isfinite(log_probs).sum()))  # a grammar's mask may leave fewer
-            top = torch.topk(log_probs, count)
-            return top.indices.tolist(), top.values.tolist(), []
-        remaining = distribution(logits, self.sampler.params, context)
-        count = min(k, int(torch.count_nonzero(remaining)))
-        tokens: list[int] = []
-        rows: list[torch.Tensor] = []
-        for _ in range(count):
-            rows.append(remaining / remaining.sum())
-            tokens.append(self.sampler.draw(rows[-1]))
-            remaining[tokens[-1]] = 0.0
-        return tokens, torch.topk(log_probs, count).values.tolist(), rows
+        return best_first(tokens, parents, depths, scores, confidences, rows, budget, self.n_min)

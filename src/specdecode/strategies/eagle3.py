@@ -167,11 +167,13 @@ class Eagle3Strategy:
                     history = context  # what penalties see: the path too when sampling
                     if self.sampler is not None:
                         history = [*context, *path]
-                    children, child_scores, child_rows = self._children(row, history, topk)
+                    children, child_scores, child_rows = tree_children(row, self.sampler, history, topk)
                     child_confidences = [math.exp(score) for score in child_scores]
                     base = scores[parent] if parent >= 0 else 0.0
                     if self.keep_drafting is not None:
-                        child_scores = self._ruled_scores(base, depth, child_confidences, len(tokens))
+                        child_scores = ruled_scores(
+                            self.keep_drafting, base, depth, child_confidences, len(tokens)
+                        )
                         children, child_rows = children[: len(child_scores)], child_rows[: len(child_scores)]
                         base = 0.0  # ruled scores are whole paths' already
                     tokens += children
@@ -199,53 +201,71 @@ class Eagle3Strategy:
             tree.drop()
             if self.constraint is not None:
                 self.constraint.rewind()
-        # best first (a parent before its children on ties): every prefix is the best tree of its size
-        kept = sorted(range(len(tokens)), key=lambda i: (-scores[i], depths[i], i))[:budget]
-        if not kept or max(depths[i] for i in kept) < self.n_min:
-            return Draft()
-        index = {old: new for new, old in enumerate(kept)}
-        return Draft(
-            [tokens[i] for i in kept],
-            torch.stack([rows[i] for i in kept]) if rows else None,
-            parents=[index.get(parents[i], -1) for i in kept],
-            confidences=[confidences[i] for i in kept],
-        )
+        return best_first(tokens, parents, depths, scores, confidences, rows, budget, self.n_min)
 
-    def _ruled_scores(
-        self, parent_score: float, depth: int, confidences: list[float], nodes: int
-    ) -> list[float]:
-        """The logs of the chances the policy's rule gives a node's children (best rank first),
-        for as many as it finds worth their cost; parent_score is the log of the parent's.
 
-        Each is capped at the one before: the rule's estimate need not fall with the rank's
-        probability, and a later draw outscoring an earlier one would be tried first, or kept
-        without it, against a row (the earlier draws removed) it was not drawn from."""
-        scores: list[float] = []
-        for rank, confidence in enumerate(confidences):
-            reach = self.keep_drafting.node(math.exp(parent_score), depth, confidence, nodes + rank)
-            if reach is None:
-                break
-            scores.append(min(math.log(reach), scores[-1]) if scores else math.log(reach))
-        return scores
+def best_first(
+    tokens: list[int],
+    parents: list[int],
+    depths: list[int],
+    scores: list[float],
+    confidences: list[float],
+    rows: list[torch.Tensor],
+    budget: int,
+    n_min: int,
+) -> Draft:
+    """The `budget` best-scored nodes of a drafted tree (scores: logs), best first, a parent
+    before its children on ties, so that every prefix is the best tree of its size; no draft
+    where the tree is shallower than n_min. rows: the nodes' sampling rows, or none."""
+    kept = sorted(range(len(tokens)), key=lambda i: (-scores[i], depths[i], i))[:budget]
+    if not kept or max(depths[i] for i in kept) < n_min:
+        return Draft()
+    index = {old: new for new, old in enumerate(kept)}
+    return Draft(
+        [tokens[i] for i in kept],
+        torch.stack([rows[i] for i in kept]) if rows else None,
+        parents=[index.get(parents[i], -1) for i in kept],
+        confidences=[confidences[i] for i in kept],
+    )
 
-    def _children(
-        self, logits: torch.Tensor, context: list[int], k: int
-    ) -> tuple[list[int], list[float], list[torch.Tensor]]:
-        """Up to k children of a node with logits [V] after `context`: their tokens, the logs of
-        their score factors and (rejection) the distributions they were drawn from. The j-th
-        child's factor is the head's j-th largest probability: its own for the top k, and for
-        drawn children a factor that does not depend on which token was drawn."""
-        log_probs = torch.log_softmax(logits.to(torch.float64), dim=-1)
-        if self.sampler is None:
-            count = min(k, self.head.config.draft_vocab_size, int(torch.isfinite(log_probs).sum()))
-            top = torch.topk(log_probs, count)  # a grammar's mask may leave fewer than k tokens
-            return top.indices.tolist(), top.values.tolist(), []
-        remaining = distribution(logits, self.sampler.params, context)
-        count = min(k, int(torch.count_nonzero(remaining)))
-        tokens: list[int] = []
-        rows: list[torch.Tensor] = []
-        for _ in range(count):  # without replacement: each draw from what the earlier ones left
-            rows.append(remaining / remaining.sum())
-            tokens.append(self.sampler.draw(rows[-1]))
-            remaining[tokens[-1]] = 0.0
-        return tokens, torch.topk(log_probs, count).values.tolist(), rows
+
+def ruled_scores(
+    keep_drafting: KeepDrafting, parent_score: float, depth: int, confidences: list[float], nodes: int
+) -> list[float]:
+    """The logs of the chances the policy's rule gives a node's children (best rank first),
+    for as many as it finds worth their cost; parent_score is the log of the parent's.
+
+    Each is capped at the one before: the rule's estimate need not fall with the rank's
+    probability, and a later draw outscoring an earlier one would be tried first, or kept
+    without it, against a row (the earlier draws removed) it was not drawn from."""
+    scores: list[float] = []
+    for rank, confidence in enumerate(confidences):
+        reach = keep_drafting.node(math.exp(parent_score), depth, confidence, nodes + rank)
+        if reach is None:
+            break
+        scores.append(min(math.log(reach), scores[-1]) if scores else math.log(reach))
+    return scores
+
+
+def tree_children(
+    logits: torch.Tensor, sampler: Sampler | None, context: list[int], k: int
+) -> tuple[list[int], list[float], list[torch.Tensor]]:
+    """Up to k children of a node with logits [V] after `context`: their tokens, the logs of
+    their score factors and (rejection, with `sampler`) the distributions they were drawn from.
+    The j-th child's factor is the drafter's j-th largest probability: its own for the top k,
+    and for drawn children a factor that does not depend on which token was drawn. Tokens
+    outside the drafter's vocabulary or a grammar's mask (-inf) are never children."""
+    log_probs = torch.log_softmax(logits.to(torch.float64), dim=-1)
+    if sampler is None:
+        count = min(k, int(torch.isfinite(log_probs).sum()))
+        top = torch.topk(log_probs, count)
+        return top.indices.tolist(), top.values.tolist(), []
+    remaining = distribution(logits, sampler.params, context)
+    count = min(k, int(torch.count_nonzero(remaining)))
+    tokens: list[int] = []
+    rows: list[torch.Tensor] = []
+    for _ in range(count):  # without replacement: each draw from what the earlier ones left
+        rows.append(remaining / remaining.sum())
+        tokens.append(sampler.draw(rows[-1]))
+        remaining[tokens[-1]] = 0.0
+    return tokens, torch.topk(log_probs, count).values.tolist(), rows
