@@ -47,7 +47,7 @@ from specdecode.strategies.eagle3_head import read_target
 from specdecode.train import distributed, lm
 from specdecode.train.calibrate import fit_scale, sample_windows, summary
 from specdecode.train.config import DFlashShape, TrainConfig
-from specdecode.train.eagle3 import generated_sequences
+from specdecode.train.eagle3 import frozen_teacher, self_distilled
 from specdecode.train.lm import LossFn
 
 PAPER_GAMMA, PAPER_BLOCK = 7.0, 16  # the loss decay the paper uses for blocks of 16
@@ -203,17 +203,10 @@ def train_dflash(
     if config.seq_len < shape.block_size:
         raise SpecdecodeError(f"seq_len {config.seq_len} holds no block of {shape.block_size} after a token")
     out_dir = Path(out_dir)
-    device = lm.prepare(config)
-    config = lm.with_precision(config, device)
-    teacher = HFBackend.load(target_dir, LoadOptions(device=device.type, dtype="float32"))
-    vocab_size = teacher.vocab.size
-    target = teacher.model.eval().requires_grad_(False)
+    config, target, vocab_size = frozen_teacher(target_dir, config)
     lm.check_tokens(tokens, config, vocab_size)
     head_config(target, shape)  # refused before any generation
-    if generated_tokens:
-        sequences = generated_sequences(target, tokens, generated_tokens, out_dir, config.seed, progress)
-        tokens = sequences.reshape(-1)  # one stream, as eagle3's
-        lm.check_tokens(tokens, config, vocab_size)
+    tokens = self_distilled(target, tokens, generated_tokens, out_dir, config, progress, vocab_size)
     head = new_head(target, shape, config.seed)
     used = {"layer_ids": list(head.config.target_layer_ids), "mask_token_id": head.config.mask_token_id}
     identity = {**lm.run_identity("dflash", shape, config), "vocab_size": vocab_size}

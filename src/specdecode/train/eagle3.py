@@ -185,6 +185,35 @@ def generated_sequences(
     return sequences
 
 
+def frozen_teacher(target_dir: Path, config: TrainConfig) -> tuple[TrainConfig, nn.Module, int]:
+    """The frozen float32 target a drafter learns from, on the run's device; the config with the
+    precision that device allows; the target's vocabulary size."""
+    device = lm.prepare(config)
+    config = lm.with_precision(config, device)
+    teacher = HFBackend.load(target_dir, LoadOptions(device=device.type, dtype="float32"))
+    return config, teacher.model.eval().requires_grad_(False), teacher.vocab.size
+
+
+def self_distilled(
+    target: nn.Module,
+    tokens: np.ndarray,
+    generated_tokens: int,
+    out_dir: Path,
+    config: TrainConfig,
+    progress: bool,
+    vocab_size: int,
+) -> np.ndarray:
+    """The tokens to train on: `tokens` as they are, or (generated_tokens > 0) that many tokens
+    the target generates from prefixes of them (`generated_sequences`), as one stream like the
+    corpus: a window may span the end of one sequence and the next."""
+    if not generated_tokens:
+        return tokens
+    sequences = generated_sequences(target, tokens, generated_tokens, out_dir, config.seed, progress)
+    tokens = sequences.reshape(-1)
+    lm.check_tokens(tokens, config, vocab_size)
+    return tokens
+
+
 def train_eagle3(
     tokens: np.ndarray,
     target_dir: Path,
@@ -202,18 +231,10 @@ def train_eagle3(
     if generated_tokens < 0:
         raise SpecdecodeError(f"generated_tokens must be >= 0 (0: the corpus), not {generated_tokens}")
     out_dir = Path(out_dir)
-    device = lm.prepare(config)
-    config = lm.with_precision(config, device)
-    teacher = HFBackend.load(target_dir, LoadOptions(device=device.type, dtype="float32"))
-    vocab_size = teacher.vocab.size
-    target = teacher.model.eval().requires_grad_(False)
+    config, target, vocab_size = frozen_teacher(target_dir, config)
     lm.check_tokens(tokens, config, vocab_size)
     head_config(target, shape, min(shape.draft_vocab, vocab_size))  # refused before any generation
-    if generated_tokens:
-        # one stream, as the corpus is: a window may span the end of one sequence and the next
-        sequences = generated_sequences(target, tokens, generated_tokens, out_dir, config.seed, progress)
-        tokens = sequences.reshape(-1)
-        lm.check_tokens(tokens, config, vocab_size)
+    tokens = self_distilled(target, tokens, generated_tokens, out_dir, config, progress, vocab_size)
     d2t = draft_vocabulary(tokens, vocab_size, shape.draft_vocab)
     head = new_head(target, shape, d2t, config.seed)
     identity = {**lm.run_identity("eagle3", shape, config), "vocab_size": vocab_size}

@@ -25,7 +25,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from specdecode.backends.hf import HFBackend, LoadOptions
 from specdecode.backends.packed_weights import materialize
 from specdecode.errors import SpecdecodeError
 from specdecode.strategies.mtp_checkpoint import write_target
@@ -33,7 +32,7 @@ from specdecode.strategies.mtp_head import MtpConfig, MtpLayer
 from specdecode.train import distributed, lm
 from specdecode.train.calibrate_eagle3 import calibrate_head
 from specdecode.train.config import MtpShape, TrainConfig
-from specdecode.train.eagle3 import generated_sequences, ttt_loss
+from specdecode.train.eagle3 import frozen_teacher, self_distilled, ttt_loss
 
 PASS_THROUGH_NOISE = 0.1  # eh_proj starts as [0.1 * its random init ; identity]
 
@@ -100,16 +99,9 @@ def train_mtp(
         raise SpecdecodeError(f"--out must differ from --target ({target_dir}): the target is copied there")
     if target_dir.is_dir():  # a packed one (the bundled target's) decoded; else refused below
         target_dir = materialize(target_dir)
-    device = lm.prepare(config)
-    config = lm.with_precision(config, device)
-    teacher = HFBackend.load(target_dir, LoadOptions(device=device.type, dtype="float32"))
-    vocab_size = teacher.vocab.size
-    target = teacher.model.eval().requires_grad_(False)
+    config, target, vocab_size = frozen_teacher(target_dir, config)
     lm.check_tokens(tokens, config, vocab_size)
-    if generated_tokens:
-        sequences = generated_sequences(target, tokens, generated_tokens, out_dir, config.seed, progress)
-        tokens = sequences.reshape(-1)
-        lm.check_tokens(tokens, config, vocab_size)
+    tokens = self_distilled(target, tokens, generated_tokens, out_dir, config, progress, vocab_size)
     layer = new_layer(target, config.seed)
     identity = {**lm.run_identity("mtp", shape, config), "vocab_size": vocab_size}
     if generated_tokens:
