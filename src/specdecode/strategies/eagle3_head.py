@@ -79,17 +79,22 @@ def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tens
 
 
 class Attention(nn.Module):
-    def __init__(self, config: Eagle3Config) -> None:
+    def __init__(
+        self, config: Eagle3Config, width: int | None = None, bias: bool = False, output_bias: bool = False
+    ) -> None:
+        """width: the input's, 2H by default (the head's [embedding ; g]); bias, output_bias:
+        whether q/k/v and o_proj have biases (an MTP layer's block may)."""
         super().__init__()
         h, d = config.hidden_size, config.dim
+        width = 2 * h if width is None else width
         self.config = config
-        self.q_proj = nn.Linear(2 * h, config.num_attention_heads * d, bias=False)
-        self.k_proj = nn.Linear(2 * h, config.num_key_value_heads * d, bias=False)
-        self.v_proj = nn.Linear(2 * h, config.num_key_value_heads * d, bias=False)
-        self.o_proj = nn.Linear(config.num_attention_heads * d, h, bias=False)
+        self.q_proj = nn.Linear(width, config.num_attention_heads * d, bias=bias)
+        self.k_proj = nn.Linear(width, config.num_key_value_heads * d, bias=bias)
+        self.v_proj = nn.Linear(width, config.num_key_value_heads * d, bias=bias)
+        self.o_proj = nn.Linear(config.num_attention_heads * d, h, bias=output_bias)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
-        """x [B, T, 2H] at positions [T] -> [B, T, H]."""
+        """x [B, T, width] at positions [T] -> [B, T, H]."""
         b, t, _ = x.shape
         c = self.config
 

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdecode.strategies.eagle3_head import MLP, Attend, Eagle3Head, RMSNorm, rotate
+from specdecode.strategies.eagle3_head import MLP, Attend, Attention, Eagle3Head, RMSNorm
 
 DEEPSEEK = "deepseek"  # model.layers.{L}.enorm / hnorm / eh_proj / shared_head.*: GLM-4.5 too
 MIMO = "mimo"  # model.mtp_layers.{i}.token_layernorm / hidden_layernorm / input_proj / final_layernorm
@@ -76,30 +76,6 @@ class FixedNorm(nn.Module):
         return self.weight * wide.to(x.dtype)
 
 
-class BlockAttention(nn.Module):
-    def __init__(self, config: MtpConfig) -> None:
-        super().__init__()
-        h, d, bias = config.hidden_size, config.dim, config.attention_bias
-        self.config = config
-        self.q_proj = nn.Linear(h, config.num_attention_heads * d, bias=bias)
-        self.k_proj = nn.Linear(h, config.num_key_value_heads * d, bias=bias)
-        self.v_proj = nn.Linear(h, config.num_key_value_heads * d, bias=bias)
-        self.o_proj = nn.Linear(config.num_attention_heads * d, h, bias=config.output_bias)
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
-        """x [B, T, H] at positions [T] -> [B, T, H]."""
-        b, t, _ = x.shape
-        c = self.config
-
-        def heads(proj: nn.Linear, n: int) -> torch.Tensor:
-            return proj(x).view(b, t, n, c.dim).transpose(1, 2)  # [B, n, T, D]
-
-        q = rotate(heads(self.q_proj, c.num_attention_heads), positions, c.rope_theta)
-        k = rotate(heads(self.k_proj, c.num_key_value_heads), positions, c.rope_theta)
-        v = heads(self.v_proj, c.num_key_value_heads)
-        return self.o_proj(attend(q, k, v).transpose(1, 2).reshape(b, t, -1))
-
-
 class Block(nn.Module):
     """A dense pre-norm decoder layer, named as Llama's and Qwen2's are."""
 
@@ -107,7 +83,8 @@ class Block(nn.Module):
         super().__init__()
         h, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = RMSNorm(h, eps)
-        self.self_attn = BlockAttention(config)
+        # Llama's attention over [B, T, H] (the head's over [B, T, 2H]), with the block's biases
+        self.self_attn = Attention(config, h, config.attention_bias, config.output_bias)  # type: ignore[arg-type]
         self.post_attention_layernorm = RMSNorm(h, eps)
         self.mlp = MLP(config)  # type: ignore[arg-type]  # reads hidden_size and intermediate_size
 
