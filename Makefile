@@ -7,7 +7,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 DEMO_PROMPT := import os\n\n\ndef read_lines(path):
 
-.PHONY: setup demo test lint docs docs-serve clean llama-tools llama-invariant gpu-check
+.PHONY: setup demo test lint docs docs-serve clean llama-tools gpu-check
 
 setup: $(VENV)/.installed
 
@@ -15,9 +15,12 @@ setup: $(VENV)/.installed
 # Then the package with every extra (the server, GGUF files, grammars, the benchmarks' output).
 # The llama-cpp extra compiles llama.cpp (a portable CPU build, without its tools): about
 # 10 CPU-minutes, once; pip keeps the wheel it builds for later installs.
-# Last, speculators (vLLM's EAGLE-3 format; the tests read our exports with its config classes
+# Then speculators (vLLM's EAGLE-3 format; the tests read our exports with its config classes
 # and model) without its dependencies, which name torchvision and torchaudio (another torch);
 # those its import needs are in the dev extra.
+# Last, llama.cpp's CPU kernels for this CPU (the best variant it runs, row-invariant: see
+# docs/gguf.md), about 5 CPU-minutes more, into the user's cache; where they cannot be built (no
+# cmake or compiler), the llama.cpp backend runs on the extra's own library and setup goes on.
 LLAMA_CPP_CMAKE := -DGGML_NATIVE=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF \
 	-DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF
 $(VENV)/.installed: pyproject.toml
@@ -26,6 +29,7 @@ $(VENV)/.installed: pyproject.toml
 	CMAKE_ARGS="$(LLAMA_CPP_CMAKE)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
 		$(BIN)/pip install -q -e '.[all,dev,llama-cpp]'
 	$(BIN)/pip install -q --no-deps speculators==0.9.0 hs-connectors==0.9.0
+	$(BIN)/specdecode kernels --build || echo "setup goes on: llama.cpp runs on llama-cpp-python's own library"
 	touch $@
 
 # The bundled pair: a continuation with its speed and acceptance, then the quick benchmark.
@@ -33,22 +37,16 @@ demo: setup
 	$(BIN)/specdecode generate --temp 0 -n 128 -p "$$(printf '$(DEMO_PROMPT)')"
 	$(BIN)/specdecode bench --quick --out build/bench-quick
 
-# Optional, for the llama.cpp comparisons (see the README); no test needs them. Both build from
-# the llama-cpp-python source release of the installed version, so from the very llama.cpp the
-# backend runs, with the same portable flags, into build/llama-tools:
-#   llama-tools      llama.cpp's own programs (speculative-simple, lookup, completion, bench,
-#                    server), for python -m specdecode.compare.llama_tools and bench-serve --http
-#   llama-invariant  its libraries without the batched GEMM paths (llamafile's sgemm, repacked
-#                    layouts), whose rows are bit-identical in every pass: run with
-#                    LLAMA_CPP_LIB_PATH=build/llama-tools/invariant/bin. The third such path,
-#                    ggml's tiled K-quant product (passes of 8 rows and more), has a run-time
-#                    switch, which the llama.cpp backend turns off in every build
-#                    (GGML_CPU_TILED_MM=0): no patch needed
+# Optional, for the llama.cpp comparisons (see the README); no test needs them. llama.cpp's own
+# programs (speculative-simple, lookup, completion, bench, server), for python -m
+# specdecode.compare.llama_tools and bench-serve --http, from the llama-cpp-python source release
+# of the installed version (the very llama.cpp the backend runs) into build/llama-tools, with
+# their CPU kernels compiled for the best variant this CPU runs (`specdecode kernels
+# --cmake-flags`: the instruction sets llama.cpp's releases choose at run time) and llamafile's
+# sgemm and repacking on, as users get them.
 LLAMA_TOOLS := build/llama-tools
 LLAMA_TOOLS_TARGETS := llama-speculative-simple llama-lookup llama-completion llama-bench llama-server
-LLAMA_TOOLS_CMAKE := -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF -DLLAMA_BUILD_TESTS=OFF \
-	-DLLAMA_BUILD_APP=OFF -DLLAMA_OPENSSL=OFF
-LLAMA_INVARIANT_CMAKE := -DGGML_LLAMAFILE=OFF -DGGML_CPU_REPACK=OFF
+LLAMA_TOOLS_CMAKE := -DCMAKE_BUILD_TYPE=Release -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_OPENSSL=OFF
 
 # The source release, fetched once; prints the path of its llama.cpp.
 LLAMA_CPP_SOURCE = version=$$($(BIN)/python -c \
@@ -61,15 +59,9 @@ LLAMA_CPP_SOURCE = version=$$($(BIN)/python -c \
 
 llama-tools: setup
 	$(LLAMA_CPP_SOURCE) && \
-	cmake -S $$source -B $(LLAMA_TOOLS)/cmake $(LLAMA_TOOLS_CMAKE) -DLLAMA_BUILD_COMMON=ON \
-		-DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON && \
+	cmake -S $$source -B $(LLAMA_TOOLS)/cmake $(LLAMA_TOOLS_CMAKE) $$($(BIN)/specdecode kernels --cmake-flags) \
+		-DLLAMA_BUILD_COMMON=ON -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON && \
 	cmake --build $(LLAMA_TOOLS)/cmake -j2 --target $(LLAMA_TOOLS_TARGETS)
-
-llama-invariant: setup
-	$(LLAMA_CPP_SOURCE) && \
-	cmake -S $$source -B $(LLAMA_TOOLS)/invariant $(LLAMA_TOOLS_CMAKE) $(LLAMA_INVARIANT_CMAKE) \
-		-DLLAMA_BUILD_COMMON=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF && \
-	cmake --build $(LLAMA_TOOLS)/invariant -j2 --target llama
 
 # The GPU check (exactness, pass costs, speed against the strongest baselines with MBU, replayed
 # real acceptance and the plan's goals on a CUDA GPU, about 8 minutes on an H200) into

@@ -29,6 +29,7 @@ from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
 import specdecode.chain
 from specdecode import HFBackend, Sampler, SamplingParams
+from specdecode.backends import llama_kernels
 from specdecode.costs import CostModel, DraftCalls
 from specdecode.policy import PolicyModels
 from specdecode.testing import make_llama, make_tokenizer, perturbed_copy, save_model, truncated_copy
@@ -47,6 +48,12 @@ torch.set_num_threads(1)
 os.environ["SPECDECODE_NO_PASS_CACHE"] = "1"
 # Nor is anything else cached there (tokenizers built from GGUF files): a fresh cache per
 # session, removed at its end (the bundled models decoded into it are tens of MB).
+USER_CACHE_HOME = os.environ.get("XDG_CACHE_HOME")  # where a test looks for what a user built
+# llama.cpp's kernels are the exception: the suite runs on those `make setup` built for this CPU
+# (in the user's cache), as a user's run does, and so do the processes the tests start.
+KERNELS = llama_kernels.choose_library()
+if KERNELS.directory is not None:
+    os.environ.setdefault(llama_kernels.LIB_VARIABLE, str(KERNELS.directory))
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="specdecode-test-cache-")
 atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], ignore_errors=True)
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TargetSpec, cached_tokenizer, draft_model, target_model
+from conftest import TargetSpec, cached_tokenizer, cpu_policy, draft_model, target_model
 from transformers import LlamaModel
 
 import specdecode
@@ -24,6 +24,7 @@ from specdecode import (
     SamplingParams,
     SpecdecodeError,
 )
+from specdecode.api import BESIDE_A_DRAFT
 from specdecode.backends.hf import HFBackend
 from specdecode.backends.load import load_backend
 from specdecode.backends.native import NativeBackend
@@ -307,6 +308,21 @@ def test_spec_types_take_llama_cpps_current_names(models):
     assert pipe.spec_types == ["draft", "ngram-simple"]
     with pytest.raises(SpecdecodeError, match="unknown strategy 'ngram'"):
         Pipeline.load(target, tokenizer=tokenizer, spec_types=["ngram"])
+
+
+def test_without_a_drafter_the_adaptive_default_is_the_n_gram_chain(models, plain, exactness_log):
+    """Adaptive: the model-free chain BESIDE_A_DRAFT, output plain's; classic (llama.cpp's
+    behaviour) and spec_types=[] generate plainly."""
+    target, _, tokenizer = models
+    adaptive = Pipeline.load(target, tokenizer=tokenizer, spec_policy="adaptive", policy_models=cpu_policy())
+    assert adaptive.spec_types == BESIDE_A_DRAFT and plain.spec_types == []
+    none = Pipeline.load(target, tokenizer=tokenizer, spec_types=[], spec_policy="adaptive")
+    assert none.spec_types == [] and none.policy_models is None
+    prompt = PROMPT * 3
+    result = adaptive.generate(prompt, max_new_tokens=24, ignore_eos=True)
+    assert result.tokens == plain.generate(prompt, max_new_tokens=24, ignore_eos=True).tokens
+    assert {s.name for s in result.stats.strategies} == set(BESIDE_A_DRAFT)
+    exactness_log.record("api/default-without-drafter", "native", result.stats, result.stats.stop_reason)
 
 
 # --------------------------------------------------------------------------- paths and progress

@@ -57,7 +57,7 @@ def test_quick_systems_are_plain_the_draft_the_default_and_hugging_faces_own():
         "plain", "draft", "ngram-mod,ngram-map-k4v,draft@adaptive", "hf-plain", "hf-assisted",
     ]  # fmt: skip
     assert quick_system_names(has_draft=False, include_hf=True) == [
-        "plain", "ngram-mod", "hf-plain", "hf-prompt-lookup",
+        "plain", "ngram-mod", "ngram-mod,ngram-map-k4v@adaptive", "hf-plain", "hf-prompt-lookup",
     ]  # fmt: skip
     assert quick_system_names(has_draft=True, include_hf=False, has_eagle3=True)[-1] == "eagle3"
 

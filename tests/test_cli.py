@@ -59,6 +59,18 @@ def test_json_output_equals_plain_generation(pair, capsys):
     assert plain["stats"]["strategies"] == []
 
 
+def test_m_alone_drafts_with_the_n_gram_chain_unless_classic_or_none(pair, capsys):
+    """Without a draft model the adaptive default asks the model-free n-gram chain (output
+    plain's); --spec-type none and --spec-policy classic (llama.cpp's behaviour) draft nothing."""
+    target, _, _ = pair
+    common = ["-m", str(target), "-p", "a b c d " * 4, "-n", "24", "--temp", "0", "--ignore-eos"]
+    default = run_json(capsys, *common)
+    assert [s["name"] for s in default["stats"]["strategies"]] == ["ngram-map-k4v", "ngram-mod"]
+    for off in (["--spec-type", "none"], ["--spec-policy", "classic"]):
+        plain = run_json(capsys, *common, *off)
+        assert plain["stats"]["strategies"] == [] and plain["tokens"] == default["tokens"]
+
+
 def test_seeded_sampling_is_reproducible_and_matches_plain(pair, capsys):
     target, draft, _ = pair
     common = [

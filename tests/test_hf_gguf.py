@@ -170,3 +170,22 @@ def test_a_tokenizer_llama_cpp_reads_otherwise_keeps_pytorch(pair):
     assert written() == [] and len(list(models_dir().glob("*.tokenizer-differs"))) == 1
     with pytest.raises(SpecdecodeError, match="tokenizes a sample text otherwise"):
         load_backend(target, LoadOptions(backend="llama.cpp"))
+
+
+def test_bench_keeps_the_draft_beside_a_target_on_pytorch_for_hugging_face(pair):
+    """bench --dtype: the target runs on PyTorch, and so must the draft Hugging Face's assisted
+    generation shares; a model on llama.cpp is refused by the HF systems with the flag to use."""
+    from argparse import Namespace
+
+    from specdecode.bench.command import load_models
+    from specdecode.bench.systems import HFSystem
+
+    target, draft = pair
+    args = Namespace(model=target, model_draft=draft, model_eagle3=None, quick=True, systems=None)
+    on_torch, its_draft, _ = load_models(args, LoadOptions(dtype="float32", threads=1), OPTIONS)
+    assert isinstance(on_torch, NativeBackend) and isinstance(its_draft, NativeBackend)
+    assert written() == []
+    HFSystem("hf-assisted", on_torch, its_draft)
+    on_llama = load_backend(draft, OPTIONS, "draft")
+    with pytest.raises(SpecdecodeError, match=r"draft runs on llama.cpp \(--backend native"):
+        HFSystem("hf-assisted", on_torch, on_llama)

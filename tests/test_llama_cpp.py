@@ -30,7 +30,7 @@ from specdecode.backends.hf import LoadOptions
 from specdecode.backends.llama_cpp import LlamaCppBackend
 from specdecode.backends.llama_lib import TILED_SWITCH
 from specdecode.backends.llama_model import MAX_SEQUENCES
-from specdecode.backends.llama_probe import PROBE_PASSES
+from specdecode.backends.llama_probe import PROBE_PASSES, WIDE_PASSES
 from specdecode.backends.load import load_backend
 from specdecode.cli import main
 from specdecode.drafts import path_to
@@ -252,7 +252,11 @@ def test_the_invariance_verdicts_of_this_build_differ_by_type(gguf_files):
 
 
 def test_the_cli_says_when_drafts_are_capped_or_exactness_given_up(gguf_files, capsys):
-    invariant = backend(gguf_files).invariant
+    target = backend(gguf_files)
+    invariant = target.invariant
+    # --passes bucketed warns unless the probe vouched for the widest passes it may run
+    # (an invariant target is vouched for up to 63 rows, where flash attention's tiles begin)
+    vouched = target.model.invariant_rows >= max(WIDE_PASSES)
     args = ["generate", "-m", str(gguf_files["target.gguf"]), "-md", str(gguf_files["draft.gguf"]), "-t", "1"]
     assert main([*args, "--temp", "0", "-n", "4", "-p", "def wrap(", "-nr"]) == 0
     err = capsys.readouterr().err
@@ -262,7 +266,7 @@ def test_the_cli_says_when_drafts_are_capped_or_exactness_given_up(gguf_files, c
     assert "warning" not in err
     assert main([*args, "--temp", "0", "-n", "4", "-p", "def wrap(", "--passes", "bucketed"]) == 0
     err = capsys.readouterr().err
-    assert ("warning: llama.cpp rounds" in err) == (not invariant) and "note: drafts held" not in err
+    assert ("warning: llama.cpp rounds" in err) == (not vouched) and "note: drafts held" not in err
     assert main([*args, "--spec-type", "none", "--temp", "0", "-n", "4", "-p", "def wrap("]) == 0
     assert "llama.cpp" not in capsys.readouterr().err  # plain generation: nothing to say
     assert main([*args, "--temp", "0", "-n", "4", "-p", "def wrap(", "--passes", "fixed"]) == 2
@@ -558,3 +562,14 @@ print(json.dumps([status, "transformers" in sys.modules, torch.get_num_threads()
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout.strip().splitlines()[-1]) == [0, False, 1]
+
+
+def test_a_llama_cpp_target_alone_generates_plainly_without_running_the_row_probe(gguf_files):
+    """The adaptive default drafts with the n-gram chain only where no row probe must run
+    first: on llama.cpp that check costs tens of seconds at a model's first start, which a run
+    that asked for no drafting does not pay."""
+    target = backend(gguf_files)
+    assert Pipeline(target, spec_policy="adaptive").spec_types == []
+    assert target.model.probe is None  # not probed to decide
+    asked = Pipeline(target, spec_types=["ngram-mod"], spec_policy="adaptive")
+    assert asked.spec_types == ["ngram-mod"]

@@ -198,9 +198,27 @@ def test_chat_figures_are_given_per_task_and_over_all_tasks(capsys):
     ]  # over the tasks' sums: lookup loses
     llama_chat.print_task_table(by_task, total)
     lines = capsys.readouterr().out.strip().splitlines()
-    assert lines[0].startswith("| system | side | chat-edit tok/CPU-s | chat-edit tok/s | chat-qa tok/CPU-s")
+    assert lines[0].startswith(
+        "| system | side | chat-edit tok/CPU-s (marginal) | chat-edit tok/s | chat-qa tok/CPU-s (marginal)"
+    )
     assert lines[2] == "| plain | ours | 24.0 | 24.0 | 32.0 | 16.0 | 25.6 | 20.0 |"
     assert lines[3] == "| llama-lookup | llama.cpp | 64.0 | 64.0 | 8.0 | 8.0 | 19.2 | 19.2 |"
+
+
+def test_marginal_rate_leaves_out_what_a_one_token_run_costs():
+    """Loading, the prompt and the first token cost the same in a run of one token: the
+    marginal rate is what the tokens past it cost, summed over prompts like the rest."""
+    edit = llama_programs.Tally(129, 3.0, cpu_seconds=2.5)
+    edit.add_baseline(1, 1.5)
+    qa = llama_programs.Tally(65, 1.0, cpu_seconds=1.0)
+    qa.add_baseline(2, 0.5)
+    assert edit.marginal_cpu_rate == 128.0 and qa.marginal_cpu_rate == 126.0
+    total = llama_chat.summed([edit, qa])
+    assert (total.baseline_tokens, total.baseline_cpu_seconds) == (3, 2.0)
+    assert total.marginal_cpu_rate == (128 + 63) / 1.5
+    assert llama_programs.Tally(10, 1.0, cpu_seconds=0.0).marginal_cpu_rate == 0.0
+    rows = llama_chat.chat_rows({"plain": [edit, edit, qa]}, {"plain": [True] * 3})
+    assert rows[0]["marginal_tokens_per_cpu_second"] == 128.0  # the median over rounds
 
 
 def test_it_takes_export_folders_or_a_gguf_pair(monkeypatch, capsys):

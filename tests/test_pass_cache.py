@@ -96,16 +96,26 @@ def test_timings_within_the_stale_factor_are_kept(saved_model_dir, cache, timing
     assert second.costs.calibrated == first.costs.calibrated
 
 
-def test_a_drafting_models_stored_steps_follow_the_machine(saved_model_dir, cache, timings):
-    load_policy(saved_model_dir, drafts=True)
-    timings.one_row = 0.012  # within the factor: the stored step stays
+def test_a_drafting_model_is_timed_once_when_first_needed_and_its_stored_steps_follow_the_machine(
+    saved_model_dir, cache, timings
+):
+    """Never at load: where nothing is stored the model waits untimed (the chain times it where
+    it could first win a step); a stored step is read without timing it, and scaled as the
+    target's stale timings are where the machine changed."""
     models, _ = load_policy(saved_model_dir, drafts=True)
+    assert models.costs.untimed == {"draft"} and timings.calls == [CALIBRATION_ROWS]
+    costs.time_draft(models.costs, "draft", load_backend(saved_model_dir))
     assert models.costs.step_time("draft") == pytest.approx(0.01, rel=0.01)
-    timings.one_row = 0.001
-    for _ in range(2):  # timed again, then stored
+    timings.one_row = 0.012  # within the factor: the stored step stays, untimed
+    calls = len(timings.calls)
+    models, _ = load_policy(saved_model_dir, drafts=True)
+    assert timings.calls[calls:] == [(1,)]  # the target's check alone
+    assert not models.costs.untimed and models.costs.step_time("draft") == pytest.approx(0.01, rel=0.01)
+    timings.one_row = 0.001  # ten times as fast: the target is timed again, the step scaled and stored
+    for _ in range(2):
         models, _ = load_policy(saved_model_dir, drafts=True)
         assert models.costs.step_time("draft") == pytest.approx(0.001, rel=0.01)
-        timings.one_row = 0.0012
+    assert timings.calls.count((1,)) == 1 + 3  # the draft's one timing, the target's three checks
 
 
 def test_changed_weights_are_timed_again(saved_model_dir, cache, timings):

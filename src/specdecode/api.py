@@ -80,6 +80,15 @@ class Result:
     stats: GenerationStats
 
 
+def checks_rows_first(target: Backend) -> bool:
+    """Whether the target's multi-row passes must be checked against one-row passes before a
+    draft is verified (llama.cpp's row probe, `specdecode.backends.llama_probe`): tens of
+    seconds at a small model's first start, minutes at a large one's, once per model and
+    machine. Where nothing asked for drafting, a plain run does not pay that for n-gram drafts
+    that may never come. Asked of the class: the instance's property runs the probe."""
+    return hasattr(type(target), "vouched_rows")
+
+
 class Pipeline:
     """A target model, an optional draft model and EAGLE-3 head, and the strategies to use."""
 
@@ -102,8 +111,11 @@ class Pipeline:
     ) -> None:
         """spec_types: enabled strategy names (None: "draft" when a draft is given, with
         BESIDE_A_DRAFT under the adaptive policy, "eagle3" when a head is and "dflash" when a
-        DFlash drafter is, else none); llama.cpp's "draft-simple", "draft-eagle3" and
-        "draft-dflash" name the last three.
+        DFlash drafter is; with none of these, BESIDE_A_DRAFT alone under the adaptive policy
+        (model-free, and the policy drafts only where it pays) where the target's rows need no
+        check first (`checks_rows_first`), nothing under the classic one, as llama.cpp drafts
+        nothing without a draft model; []: plain);
+        llama.cpp's "draft-simple", "draft-eagle3" and "draft-dflash" name the last three.
         ngram: settings of the model-free strategies; their shared state (the ngram-mod pool,
         the ngram-cache files) lives as long as the pipeline.
         replacements: (target text, draft text) pairs; given (even empty), a draft whose
@@ -129,7 +141,7 @@ class Pipeline:
             spec_types = (["draft"] if draft else []) + (["eagle3"] if eagle3 is not None else [])
             spec_types += ["dflash"] if dflash is not None else []
             spec_types += ["mtp"] if mtp is not None else []
-            if draft and spec_policy == "adaptive":
+            if spec_policy == "adaptive" and (draft or not (spec_types or checks_rows_first(target))):
                 spec_types += BESIDE_A_DRAFT
         self.spec_types = strategy_names(spec_types)
         self.draft_config = draft_config
@@ -176,7 +188,10 @@ class Pipeline:
         **settings: Any,
     ) -> Pipeline:
         """Load a target and what drafts for it. Without a draft, a head, spec_types or a
-        speculative_config the pipeline generates plainly.
+        speculative_config the pipeline drafts with the n-gram chain BESIDE_A_DRAFT under
+        spec_policy="adaptive" on a target that needs no row check first (not llama.cpp's:
+        `checks_rows_first`), and generates plainly otherwise and under "classic" (the
+        default here).
 
         model: a local Hugging Face directory, a GGUF file, or a transformers model already in
         memory with its `tokenizer` (used where it is, see `backend_from_model`). None: the

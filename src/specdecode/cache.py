@@ -35,6 +35,7 @@ KINDS = {
     "models": "the bundled models, decoded from their packed weights",
     "gguf-tokenizers": "tokenizers built from GGUF files' vocabularies",
     "pass-costs": "pass timings and llama.cpp's row-probe verdicts, per model and machine",
+    "llama-kernels": "llama.cpp's CPU kernels built for this CPU (specdecode kernels --build)",
 }
 
 

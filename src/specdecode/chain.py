@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from specdecode.constraints import Constraint
-from specdecode.costs import ALONE, PassLoad, PassShare
+from specdecode.costs import ALONE, PassLoad, PassShare, time_draft
 from specdecode.drafts import Draft
 from specdecode.errors import SpecdecodeError
 from specdecode.policy import AdaptivePolicy, Stopper
@@ -92,15 +92,17 @@ class Chain:
         n_max: int,
         n_nodes: int | None = None,
         load: PassLoad = ALONE,
+        remaining: int | None = None,
     ) -> Draft:
         """The first non-empty draft at least n_min deep, cut to n_max tokens deep and (trees)
         n_nodes nodes; empty if none. With a policy: the draft it chooses for a pass that also
-        holds `load` (a batch's other sequences), or none."""
+        holds `load` (a batch's other sequences), or none, the generation having `remaining`
+        tokens left to emit (what a drafting model's catch-up is spread over)."""
         self._last = None
         self.n_max = max(self.n_max, n_max)
         if self.policy is not None:
             self.policy.load = load
-            return self._draft_adaptive(self.policy, history, last, n_max, n_nodes)
+            return self._draft_adaptive(self.policy, history, last, n_max, n_nodes, remaining)
         for index, strategy in enumerate(self.strategies):
             if index in self._failed:
                 continue
@@ -130,14 +132,34 @@ class Chain:
         return replace(draft, strategy=self.strategies[index].name)
 
     def _draft_adaptive(
-        self, policy: AdaptivePolicy, history: Sequence[int], last: int, n_max: int, n_nodes: int | None
+        self,
+        policy: AdaptivePolicy,
+        history: Sequence[int],
+        last: int,
+        n_max: int,
+        n_nodes: int | None,
+        remaining: int | None,
     ) -> Draft:
         """Every model-free draft cut to its best length, against a plain step, against the
         drafting model with the best measured rate (run only if that rate is the best; its
-        draft, a chain or a tree, is shaped by the policy's rule as it drafts)."""
+        draft, a chain or a tree, is shaped by the policy's rule as it drafts).
+
+        A drafting model that wins a step with a long backlog to read first (the prompt, a long
+        stretch it sat out) reads it in chunks, one a step while the step's other candidates
+        draft (`AdaptivePolicy.catch_up_chunk`), the last chunk by its drafting call; a model
+        not timed yet is timed where it could first win (`costs.time_draft`). Neither counts in
+        the step's seconds: the catch-up is priced spread over the steps left, the timing is
+        once a machine. Chunks rather than a background thread: reading the backlog costs the
+        same CPU-seconds on any thread, and beside a thread the target's passes slow down
+        (Qwen2.5-Coder 1.5B with its 0.5B sibling reading 384 tokens, llama.cpp, one thread
+        each, two cores: 5.9-6.4 CPU-seconds either way, the target's one-row pass 25-75%
+        slower beside the thread), so tokens per CPU-second gain nothing from a thread, the pass timings the
+        policy learns from are disturbed, and chunks keep each step's stall to a quarter of the
+        catch-up."""
         start = time.perf_counter()
+        aside = 0.0  # seconds of catch-up and timing: not the step's
         step = self._step = _Step()
-        policy.at(len(history) + 1)
+        policy.at(len(history) + 1, remaining)
         free: dict[int, Draft] = {}  # model-free strategy -> its draft
         models: list[int] = []
         for index, strategy in enumerate(self.strategies):
@@ -161,9 +183,13 @@ class Chain:
             if k > 0 and gain > best_gain:
                 best_gain, best_index, best_draft = gain, index, draft.truncated(k)
         if models:
+            aside += self._time_untimed(policy, models, names, t_sunk, rate, n_max, best_gain)
             gains = {i: policy.model_gain(names[i], t_sunk, rate, n_max) for i in models}
             index = max(models, key=gains.__getitem__)
-            if gains[index] > best_gain:
+            chunk = policy.catch_up_chunk(names[index]) if gains[index] > best_gain else 0
+            if chunk and hasattr(self.strategies[index], "catch_up"):
+                aside += self._catch_up(index, policy, history, last, chunk)
+            elif gains[index] > best_gain:
                 strategy = self.strategies[index]
                 step.model = strategy.name
                 step.stopper = policy.stopper(strategy.name, rate, best_gain, t_sunk)
@@ -177,11 +203,48 @@ class Chain:
                 if draft.tokens:
                     best_index, best_draft = index, draft.truncated(n_max, n_nodes).simplified()
             policy.skipped([names[i] for i in models if names[i] != step.model])
-        step.t_draft = time.perf_counter() - start
+        step.t_draft = time.perf_counter() - start - aside
         if best_index < 0:
             return Draft()
         step.strategy = self.strategies[best_index].name
         return self._chosen(best_index, best_draft)
+
+    def _time_untimed(
+        self,
+        policy: AdaptivePolicy,
+        models: list[int],
+        names: dict[int, str],
+        t_sunk: float,
+        rate: float,
+        n_max: int,
+        rival: float,
+    ) -> float:
+        """Time the drafting models not timed yet, where a draft that cost nothing and was all
+        kept would beat the step's best other candidate (`rival`): elsewhere none of theirs
+        could. The seconds that took."""
+        costs, seconds = policy.models.costs, 0.0
+        for index in models:
+            name = names[index]
+            if name not in costs.untimed or policy.free_gain(t_sunk, rate, n_max) <= rival:
+                continue
+            backend = getattr(self.strategies[index], "backend", None)
+            if backend is None:
+                costs.untimed.discard(name)
+            else:
+                seconds += time_draft(costs, name, backend)
+        return seconds
+
+    def _catch_up(
+        self, index: int, policy: AdaptivePolicy, history: Sequence[int], last: int, chunk: int
+    ) -> float:
+        """Strategy `index` reads `chunk` tokens of its backlog; the seconds that took."""
+        start = time.perf_counter()
+        strategy = self.strategies[index]
+        self._guarded(index, "catch_up", strategy.catch_up, history, last, chunk)
+        policy.caught_up(strategy.name, chunk)
+        seconds = time.perf_counter() - start
+        self.stats[index].t_draft += seconds
+        return seconds
 
     def accept(
         self,

@@ -23,7 +23,10 @@ its part of the pass and of the drafting round (`PassShare`).
 
 from __future__ import annotations
 
+import math
+import statistics
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import combinations
@@ -54,6 +57,9 @@ CALIBRATION_WEIGHT = 2.0  # passes each load-time timing counts as in the cost f
 FIT_DECAY = 0.98  # per pass run: the weight of older passes in the cost fit
 REFIT_EVERY = 8  # passes run between refits of the cost line (costs drift slowly)
 KNOT = 17  # rows where the pass cost's second slope starts (the longest pass timed at load)
+LOAD_WINDOW = 9  # the latest passes whose speed against the timings is the machine's load now
+LOAD_SPREAD = 1.5  # ... those of them within this many times the median's speed
+OUTLIER = 3.0  # a pass or call counts as at most this many times what was predicted for it
 
 
 class CostModel:
@@ -80,12 +86,14 @@ class CostModel:
         self.draft_calls: dict[str, DraftCalls] = {}  # drafting model -> its calls' cost line
         # drafting models whose call is one pass whatever the draft's length (a DFlash block)
         self.one_pass: set[str] = set()
+        self.untimed: set[str] = set()  # drafting models not timed yet (`time_draft`)
         self._sums = DecayedSums(5)  # over the passes run, features _features(T, S)
         self._curve: tuple[float, ...] | None = None  # (a, b, c, s, m)
         self._stale = 0.0  # passes observed since the last fit
         self._times: dict[tuple[float, int], float] = {}  # (rows, sequences) -> pass_time now
-        # decayed sums over the one-sequence passes run: their seconds, and the timings' fit's
-        self._drift = [0.0, 0.0]
+        # the latest one-sequence passes' seconds over the timings' fit's for them (`drift`)
+        self._loads: deque[tuple[float, float]] = deque(maxlen=LOAD_WINDOW)  # (seconds, timed)
+        self._load = 1.0
         self._timed: tuple[tuple[tuple[int, float], ...], np.ndarray] | None = None  # (timings, fit)
 
     def calibrate(self, backend: Backend, rows: tuple[int, ...] = CALIBRATION_ROWS) -> None:
@@ -97,22 +105,35 @@ class CostModel:
         """A pass of `rows` rows of `sequences` sequences took `seconds`. weight: the share of
         it this call reports (each sequence of a batch reports its rows' share, so that the
         pass counts once in all). What the model predicted for it, before learning from it, is
-        kept beside it: the fit the policy acted on, which a multi-task run's final model is not."""
+        kept beside it: the fit the policy acted on, which a multi-task run's final model is not.
+        Returns its seconds at the timings' speed (`steady`), which the fit learns from."""
         predicted = self.pass_time(rows, sequences)  # the curve in force (a policy refits before it)
-        self._sums.observe(_features(rows, sequences), seconds, weight)
         if sequences == 1 and rows <= max(self.calibrated, default=0):  # within the timings' sizes
-            decay = FIT_DECAY**weight
             timed = sum(v * f for v, f in zip(self._timed_curve(), _features(rows), strict=True))
-            self._drift = [decay * self._drift[0] + weight * seconds, decay * self._drift[1] + weight * timed]
+            self._loads.append((seconds, timed))
+            self._load = _load(self._loads)
+        steady = self.steady(seconds, predicted)
+        self._sums.observe(_features(rows, sequences), steady, weight)
         self._stale += weight
         totals = self.measured.setdefault((rows, sequences), [0.0, 0.0, 0.0])
         totals[0] += weight
         totals[1] += weight * seconds
         totals[2] += weight * predicted
+        return steady
+
+    def steady(self, seconds: float, predicted: float) -> float:
+        """`seconds` measured now, as at the timings' speed (divided by the load, `drift`), and
+        at most OUTLIER times the `predicted` seconds (at the load now): a pass or call stalled
+        10-100x (a process descheduled) would otherwise move the fit for dozens of passes, or
+        rule a drafting model out after one slow call. (Nothing stalls the other way: a call
+        far faster than predicted is news.)"""
+        if predicted <= 0:
+            return seconds / self._load
+        return min(seconds, predicted * OUTLIER) / self._load
 
     def pass_time(self, rows: float, sequences: int = 1) -> float:
-        """Seconds of a pass of `rows` rows of `sequences` sequences (asked for many lengths
-        every step: remembered until the next refit, every REFIT_EVERY passes run)."""
+        """Seconds of a pass of `rows` rows of `sequences` sequences at the load now (asked for
+        many lengths every step: remembered until the next refit, every REFIT_EVERY passes run)."""
         if self._curve is None or self._stale >= REFIT_EVERY:
             self._curve = tuple(float(v) for v in self._fit())
             self._stale = 0.0
@@ -122,7 +143,7 @@ class CostModel:
             self._times[key] = sum(
                 v * f for v, f in zip(self._curve, _features(rows, sequences), strict=True)
             )
-        return self._times[key]
+        return self._load * self._times[key]
 
     def _fit(self) -> np.ndarray:
         """(a, b, c, s, m) of the weighted least-squares fit, a + b > 0 (a one-row pass costs
@@ -135,19 +156,21 @@ class CostModel:
         timed_gram, timed_moment = self._timings_sums()
         return _bounded_fit(
             gram + timed_gram,
-            moment + self.drift() * timed_moment,
+            moment + timed_moment,
             set(self.calibrated) | {rows for rows, _ in self.measured},
         )
 
     def drift(self) -> float:
-        """How much slower (> 1) or faster the one-sequence passes run lately took than the
-        load-time timings' fit says: a busier machine, or a longer context. The timings enter
-        the fit scaled by it, as the shape of the costs at the speed the passes run at now:
-        unscaled, where each row costs a one-row pass, plain steps on a machine three times as
-        busy as at load made each row past the first cost a third of a one-row pass, and a draft
-        model that could not pay looked as if it did."""
-        seconds, timed = self._drift
-        return seconds / timed if timed > 0 else 1.0
+        """How much slower (> 1) or faster the latest LOAD_WINDOW one-sequence passes ran than
+        the load-time timings' fit says (of those near the median's speed: one stalled pass
+        moves it not at all): the load now, of a busier machine or a longer context. Passes and
+        draft calls are fitted at the timings' speed (`steady`: each divided by the load when it
+        ran) and predicted at the load now, so that a load swinging 2-4x scales a draft's cost
+        and plain's alike. A fit of seconds as measured mixed moments: draft calls timed while
+        the machine was quiet, priced against passes run while it was busy, made a losing draft
+        model look cheap; and unscaled timings, where each row costs a one-row pass, made each
+        row past the first cost a third of one on a machine three times as busy as at load."""
+        return self._load
 
     def _timings_sums(self) -> tuple[np.ndarray, np.ndarray]:
         """The normal equations of the load-time timings (each worth CALIBRATION_WEIGHT passes),
@@ -167,37 +190,48 @@ class CostModel:
             self._timed = (key, _bounded_fit(*self._timings_sums(), set(self.calibrated)))
         return self._timed[1]
 
-    def observe_draft(self, strategy: str, steps: int, seconds: float, missed: int) -> None:
+    def observe_draft(self, strategy: str, steps: int, seconds: float, missed: int) -> float:
         """A call of the drafting model `strategy` read the `missed` tokens verified since its
-        previous call, then ran `steps` steps, in `seconds`."""
-        self._draft_calls(strategy).observe(self._steps(strategy, steps), seconds, missed)
+        previous call, then ran `steps` steps, in `seconds`; returns them as the fit learns them
+        (`steady`)."""
+        steady = self.steady(seconds, self.draft_time(strategy, steps, missed))
+        self._draft_calls(strategy).observe(self._steps(strategy, steps), steady, missed)
+        return steady
 
     def step_time(self, strategy: str) -> float:
         """The seconds one more step of a drafting model adds to its call (none for a one-pass model)."""
-        return 0.0 if strategy in self.one_pass else self._draft_line(strategy)[1]
+        return 0.0 if strategy in self.one_pass else self._load * self._draft_calls(strategy).step()
 
     def draft_time(self, strategy: str, steps: float, missed: float) -> float:
         """The seconds of a call of `steps` steps that first reads `missed` tokens."""
         a, b, g = self._draft_line(strategy)
         return a + b * self._steps(strategy, steps) + g * missed
 
+    def read_time(self, strategy: str, tokens: float) -> float:
+        """The seconds the drafting model takes to read `tokens` tokens it missed: its calls'
+        cost per token read first, or, before calls with different gaps have shown that, its
+        step's cost times the share of a one-row pass each further row of a target pass costs
+        (a read is a pass of many rows; on a CPU where each verify row costs nearly a plain
+        step, each token read costs nearly a draft step)."""
+        _, b, g = self._draft_line(strategy)
+        if g <= 0:
+            one = self.pass_time(1)
+            g = b * min(1.0, max(0.0, (self.pass_time(KNOT) - one) / ((KNOT - 1) * one)))
+        return g * tokens
+
     def _steps(self, strategy: str, steps: float) -> float:
         """A one-pass model's call is one step, however many tokens it drafts."""
         return min(steps, 1.0) if strategy in self.one_pass else steps
 
     def _draft_line(self, strategy: str) -> tuple[float, float, float]:
-        """The model's call cost line; until its calls have run, its load-time timing at the
-        target's `drift` (the machine that slowed the target slows the model too)."""
-        calls = self._draft_calls(strategy)
-        if calls.calls:
-            return calls.line()
-        scale = self.drift()
-        a, b, g = calls.line()
-        return scale * a, scale * b, scale * g
+        """The model's call cost line (its load-time timing until its calls have run) at the
+        target's load now: the machine that slows the target slows the model too."""
+        a, b, g = self._draft_calls(strategy).line()
+        return self._load * a, self._load * b, self._load * g
 
     def _draft_calls(self, strategy: str) -> DraftCalls:
         if strategy not in self.draft_calls:
-            self.draft_calls[strategy] = DraftCalls(PRIOR_DRAFT_STEP * self.pass_time(1))
+            self.draft_calls[strategy] = DraftCalls(PRIOR_DRAFT_STEP * self.pass_time(1) / self._load)
         return self.draft_calls[strategy]
 
     def fit(self) -> list[dict]:
@@ -221,6 +255,14 @@ class CostModel:
                 }
             )
         return rows
+
+
+def _load(passes: Sequence[tuple[float, float]]) -> float:
+    """The seconds of `passes` (seconds, the timings' fit's for them) over the fit's, of those
+    within LOAD_SPREAD times the median pass's ratio either way: a stall moves it not at all."""
+    median = statistics.median_low(seconds / timed for seconds, timed in passes)  # one of them
+    kept = [(s, t) for s, t in passes if median / LOAD_SPREAD <= s / t <= median * LOAD_SPREAD]
+    return sum(seconds for seconds, _ in kept) / sum(timed for _, timed in kept)
 
 
 def _bounded_fit(gram: np.ndarray, moment: np.ndarray, shown: set[int]) -> np.ndarray:
@@ -251,8 +293,10 @@ class DraftCalls:
     seconds a step and nothing more, pseudo-calls that the calls run soon outweigh."""
 
     def __init__(self, prior: float) -> None:
+        self.prior = prior
         self._sums = DecayedSums(3)  # features (1, steps, missed)
         self._line: tuple[float, float, float] | None = None
+        self._per_step = True  # whether the fit kept b
         self.calls = 0  # the calls run: the prior's pseudo-calls below are none of them
         for steps in (1, 2):
             self._sums.observe((1.0, float(steps), 0.0), prior * steps)
@@ -263,19 +307,34 @@ class DraftCalls:
         self.calls += 1
 
     def line(self) -> tuple[float, float, float]:
-        """(a, b, g), each >= 0: the fit with as many of them as keep that (the gap's cost is
-        left out until calls with different gaps have run)."""
+        """(a, b, g), each >= 0: of the fits of some of them, the others 0, that keep that, the
+        one closest to the calls (the gap's cost is left out until calls with different gaps
+        have run). Dropping a fixed list of them in turn, a few calls timed on a busy machine
+        left the call's cost alone, and a draft of several steps was priced as one."""
         if self._line is None:
             gram, moment = self._sums.arrays()
-            # The last one ([0]: what the calls took, all of it per call) always holds.
-            for columns in ([0, 1, 2], [0, 1], [0, 2], [0]):
-                fit = _solve(gram[np.ix_(columns, columns)], moment[columns])
-                if (fit >= -1e-12).all():  # rounding aside
-                    break
-            line = np.zeros(3)
-            line[columns] = np.maximum(fit, 0.0)
+            best, line = math.inf, np.zeros(3)
+            for size in (3, 2, 1):  # ([0] alone, what the calls took, all of it per call, holds)
+                for columns in map(list, combinations(range(3), size)):
+                    fit = _solve(gram[np.ix_(columns, columns)], moment[columns])
+                    if not (fit >= -1e-12).all():  # rounding aside
+                        continue
+                    curve = np.zeros(3)
+                    curve[columns] = np.maximum(fit, 0.0)
+                    loss = float(curve @ gram @ curve - 2 * curve @ moment)  # the squares, less a constant
+                    if loss < best - 1e-15:
+                        best, line = loss, curve
             self._line = (float(line[0]), float(line[1]), float(line[2]))
+            self._per_step = line[1] > 0
         return self._line
+
+    def step(self) -> float:
+        """What one more step adds to a call: b, or where the fit left b out (calls of more
+        steps timed no dearer, on a busy machine), the step timed at load. Not nothing: after a
+        few one-step calls that read gaps, a step priced at nothing let a model whose every
+        token lost draft 16."""
+        b = self.line()[1]
+        return b if self._per_step else self.prior
 
 
 class DecayedSums:
@@ -354,8 +413,10 @@ def calibrate(
     with `store`, read from an earlier run's timing of the same model on this machine
     (`specdecode.backends.pass_cache`) where a one-row pass timed now agrees with it
     (`_staleness`; else all are timed again and stored); `progress` is told which. drafts: the
-    drafting models by strategy name, whose steps (one-row passes) are timed the same way, too
-    briefly to announce. Priced at PRIOR_DRAFT_STEP of a target pass until its calls had run, a
+    drafting models by strategy name, whose steps (one-row passes) are read from the store, or
+    (without `store`) timed now; a model with no stored timing is left `untimed`, to be timed
+    when it could first win a step (`time_draft`), so that a model the policy never runs costs
+    nothing but its load. Priced at PRIOR_DRAFT_STEP of a target pass until its calls had run, a
     model a third of the target's size (on llama.cpp with one thread, a step 0.8 of a target
     row) drafted 16 tokens at its first call, at 0.4x plain's speed.
 
@@ -363,39 +424,60 @@ def calibrate(
     classic batch rule times BATCH_CALIBRATION_ROWS without it (`scheduler.LoadRule.timed`)."""
     say = progress or (lambda line: None)
     costs = CostModel()
+    speed = 1.0  # how many times the stored timings the machine's passes take now
     if store:
-        _timed_or_stored(costs, backend, rows, say)
+        speed = _timed_or_stored(costs, backend, rows, say)
     else:
         costs.calibrate(backend, rows)
     for strategy, draft in (drafts or {}).items():
-        now = time_passes(draft, DRAFT_TIMING_ROWS)  # as dear as checking stored steps
-        steps = _stored_timings(draft, DRAFT_TIMING_ROWS) if store else None
-        if steps is None or _staleness(steps, now) is not None:
-            steps = now
-            if store:
-                _store_timings(draft, DRAFT_TIMING_ROWS, steps)
+        steps = _stored_timings(draft, DRAFT_TIMING_ROWS) if store else time_passes(draft, DRAFT_TIMING_ROWS)
+        if steps and speed != 1.0:  # the machine changed: stored as the target's timings are
+            steps = {rows: seconds * speed for rows, seconds in steps.items()}
+            _store_timings(draft, DRAFT_TIMING_ROWS, steps)
         if steps:
             costs.draft_calls[strategy] = DraftCalls(steps[1])
+        else:
+            costs.untimed.add(strategy)
     return costs
+
+
+def time_draft(costs: CostModel, strategy: str, backend: Backend) -> float:
+    """Time the drafting model `strategy`'s steps on `backend` now, for `costs` and for later
+    runs (`specdecode.backends.pass_cache`); the seconds that took. A pipeline loads with its
+    drafting models' stored timings or none (`calibrate`): timing a model at load cost every
+    run a 32-token read and four steps of a model the policy might never run. The chain calls
+    this the first time a drafting model could win a step (`specdecode.chain`), once a
+    machine: its calls refit the cost line from then on, and until they run, the stored step
+    is scaled by the target's `drift` (the machine that slowed the target slows the model)."""
+    start = time.perf_counter()
+    steps = time_passes(backend, DRAFT_TIMING_ROWS)
+    _store_timings(backend, DRAFT_TIMING_ROWS, steps)
+    if steps:  # timed at the load now: kept at the target's timings' speed, as calls are
+        costs.draft_calls[strategy] = DraftCalls(steps[1] / costs.drift())
+    costs.untimed.discard(strategy)
+    return time.perf_counter() - start
 
 
 def _timed_or_stored(
     costs: CostModel, backend: Backend, rows: tuple[int, ...], say: Callable[[str], None]
-) -> None:
+) -> float:
     """Calibrate `costs` from the stored timings of `backend`'s passes where they hold, else
-    by timing them now and storing those (see `calibrate`)."""
+    by timing them now and storing those (see `calibrate`); how many times the stored ones
+    the timings now are where they were stale (1 otherwise): a drafting model's stored step
+    is scaled by as much, its check not being worth a run's time."""
     stored = _stored_timings(backend, rows)
     stale = _staleness(stored, time_passes(backend, (1,), CHECK_CONTEXT)) if stored is not None else None
     if stored is not None and stale is None:
         say("reusing the target's pass timings from an earlier run")
         costs.calibrated = stored
+        return 1.0
+    if stale is None:
+        say("timing the target's passes for the adaptive policy")
     else:
-        if stale is None:
-            say("timing the target's passes for the adaptive policy")
-        else:
-            say(f"stored pass timings are {stale:.2g}x the target's one-row pass now: timing again")
-        costs.calibrate(backend, rows)
-        _store_timings(backend, rows, costs.calibrated)
+        say(f"stored pass timings are {stale:.2g}x the target's one-row pass now: timing again")
+    costs.calibrate(backend, rows)
+    _store_timings(backend, rows, costs.calibrated)
+    return 1.0 if stale is None else 1.0 / stale
 
 
 def _stored_timings(backend: Backend, rows: tuple[int, ...]) -> dict[int, float] | None:

@@ -246,7 +246,10 @@ class Generation:
             self.stats.draft_cap = max(self.stats.draft_cap or 0, cap)
             room, depth = min(room, cap), min(depth, cap)
         start = time.perf_counter()
-        draft = self.chain.draft(history, last, depth, room, load) if self.chain and depth > 0 else Draft()
+        remaining = min(self._remaining(), self.target.n_ctx - len(history))  # a catch-up's spread
+        draft = Draft()
+        if self.chain and depth > 0:
+            draft = self.chain.draft(history, last, depth, room, load, remaining)
         if binds and len(draft.tokens) >= cap:  # the cap cut it short (or, at 0, left it out)
             self.stats.n_capped += 1
         if not getattr(self.target, "takes_trees", True):

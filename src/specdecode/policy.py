@@ -26,6 +26,15 @@ depends on the text, the models and the machine, so `adaptive` measures instead:
   (a draft all kept, at its step cost timed at load and the pass curve) beats the step's
   other candidates: where no draft of it could pay, it is never run.
 
+A busy machine: every second measured (a pass, a drafting call, a step) is kept at the speed of
+the load-time timings, divided by the load of its own moment (`CostModel.drift`, robust to a
+stalled pass), and at most 3 times what was predicted for it (`specdecode.costs.OUTLIER`);
+every cost is priced at the load now. So a load swinging 2-4x scales a draft's cost and a
+plain step's alike, and one slow call does not rule a drafting model out. A model whose steps
+made fewer tokens a second, by measure, than plain steps make at the same load (`Realised`)
+runs on probes only, whatever its record says: exploring it costs what the probes' doubling
+wait allows.
+
 Where verification keeps a draft token exactly when it equals the token emitted at its place
 (`match`, or greedy sampling), every model-free draft is scored whole against the tokens
 emitted, over as many steps as that takes: the one not chosen, and the part of the chosen one
@@ -69,6 +78,8 @@ EXPLORE = 0.2  # optimism of a model draft's decision about a cell with no outco
 PROBE_EVERY = 8  # a drafting model left unused this many steps is run again
 MAX_PROBE_EVERY = 64  # ... a wait that doubles with each probe, and halves with each run on merit
 PROBE_NODES = 4  # most tokens (tree nodes) a probe drafts: enough to tell whether the model pays again
+CATCH_UP_STEPS = 4  # a drafting model's backlog is read in this many steps' chunks, the last by its call
+CATCH_UP_STALL = 4.0  # ... where reading it takes longer than this many plain steps (else its call reads it)
 
 
 def check_policy(name: str) -> str:
@@ -100,6 +111,25 @@ class Record:
 
 
 @dataclass
+class Realised:
+    """What the steps that ran a drafting model made by measure: tokens emitted and seconds
+    taken (its call and its rows' pass, each at the load-time timings' speed:
+    `CostModel.steady`), averaged as a `Record` is, but never replaced by a probe: a model
+    kept 80% of the time whose every draft costs more than it brings wins most probes, and,
+    run on merit after each, lost 5-7% of plain's speed on a busy machine."""
+
+    tokens: float = 0.0
+    seconds: float = 0.0
+    n: int = 0
+
+    def update(self, tokens: float, seconds: float) -> None:
+        self.n += 1
+        weight = max(EMA, 1 / self.n)
+        self.tokens = (1 - weight) * self.tokens + weight * tokens
+        self.seconds = (1 - weight) * self.seconds + weight * seconds
+
+
+@dataclass
 class PolicyModels:
     """What the adaptive policy learns, shared by every generation of a pipeline (and its forks):
     costs, acceptance, each drafting model's record, and what was chosen (a histogram of
@@ -111,13 +141,18 @@ class PolicyModels:
     probe_every: dict[str, int] = field(default_factory=dict)  # drafting model -> idle steps before a probe
     idle: Counter[str] = field(default_factory=Counter)  # drafting model -> passes since it last ran
     choices: Counter[tuple[str, int]] = field(default_factory=Counter)
+    realised: dict[str, Realised] = field(default_factory=dict)  # drafting model -> its steps' measure
     step_tokens: float = 0.0  # moving averages over all steps: tokens emitted, seconds taken
-    step_seconds: float = 0.0
+    step_seconds: float = 0.0  # ... at the load-time timings' speed (`CostModel.steady`)
 
     @property
     def rate(self) -> float | None:
-        """Tokens per second over the recent steps (None before any)."""
-        return self.step_tokens / self.step_seconds if self.step_seconds > 0 else None
+        """Tokens per second over the recent steps, at the load now (None before any): each
+        step's seconds count at the speed of its own moment, so that a stretch of steps that
+        ran while the machine was busy does not value a second less now."""
+        if self.step_seconds <= 0:
+            return None
+        return self.step_tokens / (self.step_seconds * self.costs.drift())
 
     @classmethod
     def for_target(
@@ -257,10 +292,13 @@ class AdaptivePolicy:
         self.counterfactual = counterfactual
         self.regime = regime
         self._position = 0  # of this step (`at`)
+        self._previous = 0  # of the step before it
         self._start = 0  # of the first step: the prompt's length
+        self._remaining: int | None = None  # tokens the generation may still emit (None: not said)
+        self._chunks: dict[str, list[int]] = {}  # drafting model -> [its catch-up's chunk, chunks read]
         self._read: dict[str, int] = {}  # drafting model -> the position it has read up to
         self._missed = 0  # tokens the model run this step read first
-        self._prompt_read = 0  # ... of them, the prompt's (its first call in this generation)
+        self._prompt_read = 0  # ... of them, its backlog's (`backlog`)
         self._probe: _Probe | None = None  # this step's, while it runs
         self._watched: list[tuple[str, list[int], int]] = []  # (strategy, draft, tokens kept so far)
         self.load = ALONE  # what else this step's pass holds
@@ -314,7 +352,10 @@ class AdaptivePolicy:
         record = self.models.records.get(self.source(strategy))
         if record is None or self._probing(strategy):
             return self.best_case_gain(strategy, t_sunk, rate, n_max)
-        return self._record_gain(strategy, record, t_sunk, rate, self.missed(strategy))
+        if self._behind_plain(strategy):
+            return -math.inf
+        catch_up = rate * self.catch_up_seconds(strategy, record.tokens)
+        return self._record_gain(strategy, record, t_sunk, rate, self.missed(strategy)) - catch_up
 
     def best_case_gain(self, strategy: str, t_sunk: float, rate: float, n_max: int) -> float:
         """The gain of the model's best draft of up to n_max tokens were every token kept, at its
@@ -324,11 +365,19 @@ class AdaptivePolicy:
         1.5B drafted by its 0.5B sibling on llama.cpp, one thread each), no draft pays even
         when all of it is kept, and each try of the model there only loses."""
         missed, costs = self.missed(strategy), self.models.costs
+
+        def seconds(k: int) -> float:  # a draft of k tokens, all kept
+            drafting = costs.draft_time(strategy, k, missed) + self.catch_up_seconds(strategy, k + 1)
+            return t_sunk + drafting + self.pass_seconds(k + 1)
+
+        return max((k + 1 - rate * seconds(k) for k in range(1, n_max + 1)), default=-math.inf)
+
+    def free_gain(self, t_sunk: float, rate: float, n_max: int) -> float:
+        """The gain of the best draft of up to n_max tokens that cost nothing to make and were
+        all kept: what no drafting model can beat (a model not timed yet is timed only where
+        this beats the step's other candidates)."""
         return max(
-            (
-                k + 1 - rate * (t_sunk + costs.draft_time(strategy, k, missed) + self.pass_seconds(k + 1))
-                for k in range(1, n_max + 1)
-            ),
+            (k + 1 - rate * (t_sunk + self.pass_seconds(k + 1)) for k in range(1, n_max + 1)),
             default=-math.inf,
         )
 
@@ -338,21 +387,74 @@ class AdaptivePolicy:
         seconds = t_sunk + self.models.costs.draft_time(strategy, record.steps, missed)
         return record.tokens - rate * (seconds + self.pass_seconds(record.rows))
 
-    def _draft_seconds(self, strategy: str, record: Record) -> float:
-        """A call as long as the model's usual one, now: after the tokens it has missed."""
-        return self.models.costs.draft_time(strategy, record.steps, self.missed(strategy))
+    def _behind_plain(self, strategy: str) -> bool:
+        """Whether the steps that ran `strategy`'s model made fewer tokens a second, by measure,
+        than plain steps make at the same load (`Realised`): where the cost model says the
+        model pays and the measure says it does not, it runs on probes only, whose wait
+        doubles with each, so a model that loses costs a bounded share of the time."""
+        realised = self.models.realised.get(self.source(strategy))
+        plain = self._own_seconds(1) / self.models.costs.drift()
+        return realised is not None and realised.tokens * plain < realised.seconds
 
-    def at(self, position: int) -> None:
-        """The step about to be drafted starts at `position` (history and last token)."""
+    def _draft_seconds(self, strategy: str, record: Record) -> float:
+        """A call as long as the model's usual one, now: after the tokens it has missed, with
+        its share of the catch-up."""
+        missed = self.missed(strategy)
+        catch_up = self.catch_up_seconds(strategy, record.tokens)
+        return self.models.costs.draft_time(strategy, record.steps, missed) + catch_up
+
+    def at(self, position: int, remaining: int | None = None) -> None:
+        """The step about to be drafted starts at `position` (history and last token); the
+        generation may emit `remaining` tokens more (None: not said)."""
+        self._previous = self._position if self._start else position - 1
         self._position = position
         self._start = self._start or position
+        self._remaining = remaining
 
     def missed(self, strategy: str) -> int:
-        """Tokens the drafting model would read before drafting now that its call is charged
-        for: those verified since it last ran in this generation. Its first call reads the
-        prompt too, a cost any use of the model pays once a generation, not this step's (a
-        long prompt would otherwise keep it idle until a probe)."""
-        return self._position - self._read.get(strategy, self._start)
+        """Of the tokens the drafting model has not read (`unread`), those charged whole to its
+        call: what a model run every step reads too (the previous step's). The rest, the prompt
+        or a stretch it sat out, is its `backlog`, priced by `catch_up_seconds`."""
+        return min(self.unread(strategy), self._position - self._previous)
+
+    def unread(self, strategy: str) -> int:
+        return self._position - self._read.get(strategy, 0)
+
+    def backlog(self, strategy: str) -> int:
+        return self.unread(strategy) - self.missed(strategy)
+
+    def catch_up_seconds(self, strategy: str, tokens_per_step: float) -> float:
+        """The price in a step of `strategy`'s model emitting `tokens_per_step` tokens of
+        reading its `backlog`, spread over the steps left at that many tokens each (`at`'s
+        budget; none said, nothing). Charged whole to one step, a prompt's read made the model
+        never run; ignored, a chat edit read a long prompt for a short answer at 0.44x plain."""
+        backlog = self.backlog(strategy)
+        if backlog <= 0 or self._remaining is None:
+            return 0.0
+        share = min(1.0, tokens_per_step / max(1, self._remaining))
+        return share * self.models.costs.read_time(strategy, backlog)
+
+    def catch_up_chunk(self, strategy: str) -> int:
+        """Tokens of its backlog `strategy`'s model should read this step in place of drafting,
+        now that it beats the step's other candidates (0: draft now, its call reading the rest).
+        A backlog whose reading would stall a step by more than CATCH_UP_STALL plain steps is
+        read in chunks of a quarter (CATCH_UP_STEPS), or of what that stall reads where more,
+        one a step, the last (with what the steps meanwhile emitted) by the drafting call. A
+        cheaper one is read by the call at once: each step spent on a chunk is a step the
+        model does not draft (see `specdecode.chain` for why chunks, not a thread)."""
+        backlog = self.backlog(strategy)
+        if strategy not in self._chunks:
+            per_token = self.models.costs.read_time(strategy, 1)
+            stall = CATCH_UP_STALL * self.pass_seconds(1)
+            quarter = -(-backlog // CATCH_UP_STEPS)
+            self._chunks[strategy] = [max(quarter, int(stall / per_token) if per_token > 0 else backlog), 0]
+        chunk, read = self._chunks[strategy]
+        return chunk if backlog > chunk and read < CATCH_UP_STEPS - 1 else 0
+
+    def caught_up(self, strategy: str, tokens: int) -> None:
+        """`strategy`'s model read `tokens` tokens of its backlog (`catch_up_chunk`)."""
+        self._read[strategy] = self._read.get(strategy, 0) + tokens
+        self._chunks[strategy][1] += 1
 
     def source(self, strategy: str) -> str:
         """The name the acceptance model and the records know `strategy`'s drafts by here."""
@@ -376,9 +478,10 @@ class AdaptivePolicy:
         probe = self._probing(strategy) and source in self.models.records
         waits[source] = min(MAX_PROBE_EVERY, 2 * wait) if probe else max(PROBE_EVERY, wait // 2)
         self._probe = _Probe(rival, rate, t_sunk) if probe else None
-        self._missed = self._position - self._read.get(strategy, 0)  # what the call reads, prompt and all
-        self._prompt_read = max(0, self._start - self._read.get(strategy, 0))
+        self._missed = self.unread(strategy)  # what the call reads, backlog and all
+        self._prompt_read = self.backlog(strategy)
         self._read[strategy] = self._position
+        self._chunks.pop(strategy, None)
         self.models.idle[source] = 0
         return Stopper(self.models, strategy, rate, source, self.load, PROBE_NODES if probe else None)
 
@@ -414,10 +517,18 @@ class AdaptivePolicy:
         if share is not None:  # the drafting time that was this sequence's own
             t_draft, t_model = t_draft * share.drafting, t_model * share.drafting
         weight = EMA if models.step_seconds > 0 else 1.0
-        seconds = t_draft - self._prompt_seconds(model, model_steps, t_model) + t_pass * own_rows / rows
+        # The model's call (less its backlog) and the pass, as at the timings' speed and within
+        # OUTLIER times their prediction; the rest of the drafting (model-free) as measured.
+        costs, t_call = models.costs, t_model - self._prompt_seconds(model, model_steps, t_model)
+        predicted = self._own_seconds(own_rows)
+        if model is not None:
+            predicted += costs.draft_time(model, model_steps, self._missed - self._prompt_read)
+        load = costs.drift()
+        costs.observe_pass(rows, t_pass, sequences, own_rows / rows)  # the load now, this pass told
+        steady = costs.steady(t_call + t_pass * own_rows / rows, predicted * costs.drift() / load)
+        seconds = steady + max(0.0, t_draft - t_model) / costs.drift()
         models.step_tokens += weight * (1.0 + len(path) - models.step_tokens)
         models.step_seconds += weight * (seconds - models.step_seconds)
-        models.costs.observe_pass(rows, t_pass, sequences, own_rows / rows)
         shape = "tree" if parents is not None else ""
         models.choices[(f"{strategy} {shape}".strip() if strategy else "none", len(confidences))] += 1
         if strategy is not None and (strategy == model or not self.counterfactual):
@@ -429,6 +540,7 @@ class AdaptivePolicy:
             models.costs.observe_draft(model, model_steps, t_model, self._missed)
             tokens, rows = 1.0 + len(path), len(confidences) + 1  # whoever drafted: what running it gave
             source, probe = self.source(model), self._probe
+            models.realised.setdefault(source, Realised()).update(tokens, steady)
             outcome = Record(tokens, rows, model_steps)
             # A probe beat the rival, at the model's costs as if it ran every step (reading what
             # its last step emitted): the text changed, and a new average begins.
@@ -443,10 +555,11 @@ class AdaptivePolicy:
         self._prompt_read = 0
 
     def _prompt_seconds(self, model: str | None, steps: int, seconds: float) -> float:
-        """What reading the prompt took of this step's call of `model` (`seconds`, `steps` steps):
-        the rest of the call at the model's costs. Not the step's: its draft did not choose to
-        pay it, and the rate (whose first step weighs all) would value a second at a fraction of
-        what it is worth, so that every row looked free and drafts ran 16 tokens long."""
+        """What reading its backlog (the prompt, a gap) took of this step's call of `model`
+        (`seconds`, `steps` steps): the rest of the call at the model's costs. Not the step's:
+        the decision priced it spread over the steps left (`catch_up_seconds`), and the rate
+        (whose first step weighs all) would value a second at a fraction of what it is worth,
+        so that every row looked free and drafts ran 16 tokens long."""
         if model is None or not self._prompt_read:
             return 0.0
         rest = self.models.costs.draft_time(model, steps, self._missed - self._prompt_read)

@@ -147,6 +147,17 @@ def _model(
     plain = costs.pass_time(1)
     k, speedup = best_case(costs, name, n_max)
     ran = f"ran {runs} times" if runs > 1 else "ran once" if runs else "was not run"
+    free = {j: (j + 1) * plain / costs.pass_time(j + 1) for j in range(1, n_max + 1)}
+    if name in costs.untimed and free and max(free.values()) < 1:  # never worth timing (`costs.time_draft`)
+        k = max(free, key=free.__getitem__)
+        check = costs.pass_time(k + 1) / plain
+        numbers = {"speedup": free[k], "draft_tokens": k, "step_cost": 0.0, "check_cost": check}
+        numbers.update(runs=runs, steps=steps)
+        message = (
+            f"{label} {ran}: checking {_tokens(k)} costs {check:.1f}x a plain step, so even fully kept "
+            f"drafts that cost nothing to make would run at {free[k]:.2f}x plain speed"
+        )
+        return SpeculationVerdict("draft_model_too_slow", message, numbers, CLASSIC)
     if speedup < 1:
         one_pass = name in costs.one_pass  # a DFlash drafter's whole draft is one pass
         step = (costs.draft_time(name, 1, 0) if one_pass else costs.step_time(name)) / plain

@@ -53,12 +53,13 @@ def load_backend(
     if options.backend in ("auto", "llama.cpp"):
         from specdecode.backends.hf_gguf import load_directory
 
-        return load_directory(path, options, use, _load_pytorch, progress)
-    return _load_pytorch(path, options)
+        return load_directory(path, options, use, load_pytorch, progress)
+    return load_pytorch(path, options)
 
 
-def _load_pytorch(path: Path, options: LoadOptions) -> HFBackend:
-    """A directory on the native forward where it runs (unless "hf" is asked for), else transformers'."""
+def load_pytorch(path: Path, options: LoadOptions) -> HFBackend:
+    """A directory on the native forward where it runs (unless "hf" is asked for), else
+    transformers': auto's choice where llama.cpp is not wanted."""
     from specdecode.backends.hf import HFBackend, _check_device, check_model_directory, load_model_config
     from specdecode.backends.native_weights import native_unsupported
 

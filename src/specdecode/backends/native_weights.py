@@ -3,18 +3,35 @@
 q/k/v and gate/up are fused into one product each, every projection planned for row-invariance
 (see `invariant`), once per model: the forks of a model, and the graph passes (`graph`), share
 them. Apart from `native` so that loading a model reads apart from the forward and its cache.
+
+Why short passes are padded to a row count timed at load: a plan that runs 2 to 128 rows in
+one order of summation gives a row the same bits padded to any count in that band, so the
+padding decides only the speed. Where decoding streams the weights from memory, that speed is
+the kernel's, not the rows': oneDNN's packed float32 product of 2 rows read a step of the
+bundled target's weights in about 11 ms on a 2-core EPYC, of 4 to 6 rows in about 8 ms (MKL's
+one-row GEMV, transformers' kernel, about 12 ms). Which count streams fastest is the kernel
+library's choice for the CPU at hand, so it is timed there, over the model's own weights.
 """
 
 from __future__ import annotations
 
+import time
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from transformers import PreTrainedModel
 
 from specdecode.backends.invariant import INVARIANT_DTYPES, Plan, Projection, invariance_plan
+
+# Row counts a pass of fewer rows may be padded to, within a plan's band (see the module
+# docstring; 1: none); the smallest whose products are timed within PAD_TOLERANCE of the
+# fastest wins.
+PAD_ROWS = (1, 2, 3, 4, 6, 8)
+PAD_TOLERANCE = 1.03
+PAD_ROUNDS = 3  # timed rounds, after a warm-up one, candidates interleaved: the least of each
+PAD_TIMED_BYTES = 1 << 28  # weights read per timed step: beyond the caches, as a decode step reads
 
 NATIVE_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
 STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
@@ -69,6 +86,13 @@ class NativeWeights:
         self.layers = [self._layer(layer, invariant, plans) for layer in decoder.layers]
         self.lm_head = self._projection(model.get_output_embeddings().weight, None, invariant, plans)
         self.plans = plans
+        on_cpu = self.embeddings.device.type == "cpu"  # a GPU's passes are timed otherwise
+        self.pad_rows = _pad_fastest(self.projections()) if invariant and on_cpu else 1
+
+    def projections(self) -> list[Projection]:
+        """Every projection, in the order a pass runs them."""
+        projections = [p for layer in self.layers for p in (layer.qkv, layer.out, layer.gate_up, layer.down)]
+        return [*projections, self.lm_head]
 
     def _layer(self, layer, invariant: bool, plans: dict) -> Layer:
         attention, mlp = layer.self_attn, layer.mlp
@@ -95,6 +119,55 @@ class NativeWeights:
         if key not in plans:
             plans[key] = invariance_plan(weight, bias)
         return Projection(weight, bias, plans[key])
+
+
+@torch.inference_mode()
+def _pad_fastest(projections: Sequence[Projection]) -> int:
+    """Pads shorter passes to the row count of PAD_ROWS whose products, over the projections a
+    pass runs first (up to PAD_TIMED_BYTES of weights), are fastest here, and returns it (1:
+    none). A count outside a projection's band leaves that projection's plan as it is."""
+    timed: list[Projection] = []
+    read = 0
+    for projection in projections:
+        if read >= PAD_TIMED_BYTES:
+            break
+        timed.append(projection)
+        read += projection.weight.nbytes
+    candidates = [rows for rows in PAD_ROWS if any(_pads_to(p, rows) for p in timed)]
+    if not candidates:
+        return 1
+    rows = candidates[0] if len(candidates) == 1 else _fastest(timed, candidates)
+    for projection in projections:
+        if _pads_to(projection, rows):
+            projection.plan = replace(projection.plan, min_rows=rows)
+    return rows
+
+
+def _fastest(timed: Sequence[Projection], candidates: Sequence[int]) -> int:
+    """The smallest of `candidates` whose one-row pass over `timed` takes within PAD_TOLERANCE
+    of the fastest's time (the least of PAD_ROUNDS rounds, candidates interleaved)."""
+    inputs = {rows: [p.weight.new_zeros(rows, p.weight.shape[1]) for p in timed] for rows in (1, *candidates)}
+    best: dict[int, float] = {}
+    for round_ in range(PAD_ROUNDS + 1):
+        for rows in candidates:
+            began = time.perf_counter()
+            for projection, padded, alone in zip(timed, inputs[rows], inputs[1], strict=True):
+                if _pads_to(projection, rows):
+                    projection.product(padded)
+                else:
+                    projection(alone)  # as its plan runs one row
+            seconds = time.perf_counter() - began
+            if round_:
+                best[rows] = min(best.get(rows, seconds), seconds)
+    fastest = min(best.values())
+    return next(rows for rows in candidates if best[rows] <= fastest * PAD_TOLERANCE)
+
+
+def _pads_to(projection: Projection, rows: int) -> bool:
+    """Whether a pass of fewer rows may be padded to `rows` and keep its bits: one band of row
+    counts, from the plan's least, holds it."""
+    plan = projection.plan
+    return plan.max_rows > 1 and plan.min_rows <= rows <= plan.max_rows
 
 
 def _fuse(modules: Sequence[torch.nn.Linear]) -> torch.Tensor:

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from specdecode.backends.hf import HFBackend, LoadOptions
-from specdecode.backends.load import load_backend
+from specdecode.backends.load import is_gguf, load_backend, load_pytorch
 from specdecode.bench.machine import Machine, dtype_of, machine_line
 from specdecode.bench.metrics import summarize
 from specdecode.bench.names import CHAT_TASKS
@@ -144,7 +144,18 @@ def load_models(
         head = None
     model, draft = resolve_models(args.model, args.model_draft)
     target = load_backend(model, target_options)
-    draft_backend = load_backend(draft, draft_options) if draft is not None else None
+    draft_backend = None
+    if (
+        draft is not None
+        and isinstance(target, HFBackend)
+        and not is_gguf(draft)
+        and draft_options.backend == "auto"
+    ):
+        # The target on PyTorch (a --dtype asked, or its rows differ on llama.cpp): the draft
+        # directory joins it there, where Hugging Face's assisted generation can run it too
+        draft_backend = load_pytorch(draft, draft_options)
+    elif draft is not None:
+        draft_backend = load_backend(draft, draft_options, "draft")  # where generate runs it
     return target, draft_backend, load_head(head, target) if head is not None else None
 
 
@@ -193,6 +204,8 @@ def run_bench(
             has_dflash=dflash is not None,
         )
     )
+    if not args.systems and draft is not None and not isinstance(draft, HFBackend):
+        names = [name for name in names if name != "hf-assisted"]  # a GGUF draft on llama.cpp
     names += static_grid(names, *grid_values(args.static_grid), draft_config)
     systems = build_systems(names, target, draft, draft_config, ngram, eagle3, mtp, dflash)
     for task in tasks:

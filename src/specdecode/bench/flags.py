@@ -45,7 +45,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         action="store_true",
         help="a first look: 1 prompt per task, 32 tokens, 1 run, one warm-up round, no sweep; only "
         "plain, the draft, generate's default and Hugging Face's plain and assisted (no draft: "
-        "ngram-mod and prompt lookup) unless --systems says",
+        "ngram-mod, generate's default and prompt lookup) unless --systems says",
     )
     group.add_argument(
         "--tasks",

@@ -130,8 +130,17 @@ class HFSystem:
     family = "hf"
 
     def __init__(self, name: str, target: HFBackend, assistant: HFBackend | None = None, **options) -> None:
-        if not all(isinstance(model, HFBackend) for model in (target, assistant) if model is not None):
-            raise SpecdecodeError(f"{name} runs transformers' generate: it needs models in PyTorch, not GGUF")
+        elsewhere = [
+            model.name
+            for model in (target, assistant)
+            if model is not None and not isinstance(model, HFBackend)
+        ]
+        if elsewhere:
+            raise SpecdecodeError(
+                f"{name} runs transformers' generate: it needs models in PyTorch, and {elsewhere[0]} runs "
+                "on llama.cpp (--backend native, or hf, keeps every model on PyTorch; a GGUF file "
+                "runs there too, dequantized)"
+            )
         self.name = name
         self.model = target.model
         self.assistant = assistant.model if assistant is not None else None
@@ -201,12 +210,16 @@ def quick_system_names(
     """`bench --quick`'s systems: a first look in a few CPU-minutes, not every strategy. Ours
     plain; with a draft, llama.cpp's classic draft-model drafting and what `generate` runs by
     default (the adaptive chain of `api.BESIDE_A_DRAFT` and the draft); without one, ngram-mod
-    (our fastest model-free strategy measured); eagle3 when a head is given (-me), mtp when the
-    target has MTP layers, dflash when a DFlash drafter is given (-mdf); then
+    (our fastest model-free strategy measured) and the default (that n-gram chain, adaptive);
+    eagle3 when a head is given (-me), mtp when the target has MTP layers, dflash when a DFlash
+    drafter is given (-mdf); then
     Hugging Face's plain `generate` (the ×HF baseline) and its speculation for these models
     (assisted by the same draft, or else prompt lookup)."""
     ours = ["plain"]
-    ours += ["draft", ",".join([*BESIDE_A_DRAFT, "draft"]) + ADAPTIVE] if has_draft else ["ngram-mod"]
+    if has_draft:
+        ours += ["draft", ",".join([*BESIDE_A_DRAFT, "draft"]) + ADAPTIVE]
+    else:
+        ours += ["ngram-mod", ",".join(BESIDE_A_DRAFT) + ADAPTIVE]
     if has_eagle3:
         ours.append("eagle3")
     if has_mtp:

@@ -33,6 +33,7 @@ from specdecode.bench.flags import (
 )
 from specdecode.cli.cache_flags import add_cache_parser
 from specdecode.cli.flags import add_generate_parser, add_model_args, add_ngram_args, add_serve_parser
+from specdecode.cli.kernels_command import add_kernels_parser
 from specdecode.cli.lookup_flags import add_lookup_parser
 from specdecode.compare.flags import add_bench_serve_parser
 from specdecode.errors import SpecdecodeError, missing_package
@@ -150,6 +151,7 @@ def build_parser() -> Parser:
     add_bench_serve_parser(commands)
     add_bench_constrained_parser(commands)
     add_cache_parser(commands)
+    add_kernels_parser(commands)
     return parser
 
 

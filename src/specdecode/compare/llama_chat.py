@@ -13,11 +13,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from specdecode import GenerationConfig, SamplingParams
+from specdecode import GenerationConfig, Result, SamplingParams
 from specdecode.api import BESIDE_A_DRAFT
 from specdecode.backends.hf import LoadOptions
 from specdecode.backends.llama_cpp import LlamaCppBackend
-from specdecode.bench.systems import build_systems
+from specdecode.bench.systems import System, build_systems
 from specdecode.chat import ChatPrompt, encode_rendered
 from specdecode.compare.llama_programs import (
     CHAT_CONTEXT,
@@ -77,6 +77,7 @@ def summed(tallies: Iterable[Tally]) -> Tally:
             cpu_seconds=t.cpu_seconds,
             generation_seconds=t.generation_seconds,
         )
+        total.add_baseline(t.baseline_tokens, t.baseline_cpu_seconds)
     return total
 
 
@@ -135,14 +136,9 @@ def measure_chat(
                     tally = tallies[task][name][round_]
                     if name in ours:
                         system, backends = ours[name]
-                        pipeline = system.make_pipeline()
-                        for backend in backends:
-                            backend.truncate(0)
-                        wall, cpu = time.perf_counter(), time.process_time()
-                        run = pipeline.generate(
-                            ids, SamplingParams(temperature=0), GenerationConfig(n_predict)
-                        )
-                        seconds, cpu_seconds = time.perf_counter() - wall, time.process_time() - cpu
+                        first, _, first_cpu = _our_run(system, backends, ids, 1)
+                        tally.add_baseline(first.stats.n_generated, first_cpu)
+                        run, seconds, cpu_seconds = _our_run(system, backends, ids, n_predict)
                         stats = run.stats
                         tally.add(
                             stats.n_generated,
@@ -157,6 +153,13 @@ def measure_chat(
                     system = tools_by_name[name]
                     wanted = EVAL if system.program == COMPLETION else DECODED
                     arguments = tool_arguments(system, target_path, draft_path, prompt_file, n_predict)
+                    first, _ = timed_tool(
+                        tools,
+                        system.program,
+                        tool_arguments(system, target_path, draft_path, prompt_file, 1),
+                        wanted,
+                    )
+                    tally.add_baseline(tool_figures(system, first.output)[0], first.cpu_seconds)
                     run, _ = timed_tool(tools, system.program, arguments, wanted)
                     if system.program == COMPLETION and prompt_tokens(run.output) != ids:
                         raise SpecdecodeError(
@@ -186,6 +189,18 @@ def measure_chat(
     return ChatResults(tallies, agree)
 
 
+def _our_run(
+    system: System, backends: tuple[LlamaCppBackend, ...], ids: list[int], n_predict: int
+) -> tuple[Result, float, float]:
+    """One greedy generation of ours from an empty cache: the result, its wall-clock and CPU seconds."""
+    pipeline = system.make_pipeline()
+    for backend in backends:
+        backend.truncate(0)
+    wall, cpu = time.perf_counter(), time.process_time()
+    run = pipeline.generate(ids, SamplingParams(temperature=0), GenerationConfig(n_predict))
+    return run, time.perf_counter() - wall, time.process_time() - cpu
+
+
 ANSWER_CHARS = 120  # the start of our plain answer another system's text must contain
 
 
@@ -203,6 +218,7 @@ def chat_rows(tallies: dict[str, list[Tally]], agree: dict[str, list[bool]]) -> 
                 "tokens": sum(t.tokens for t in rounds_),
                 "tokens_per_second": median(lambda t: t.tokens / t.seconds if t.seconds else 0.0),
                 "tokens_per_cpu_second": median(lambda t: t.tokens / t.cpu_seconds if t.cpu_seconds else 0.0),
+                "marginal_tokens_per_cpu_second": median(lambda t: t.marginal_cpu_rate),
                 "generation_tokens_per_second": median(
                     lambda t: t.tokens / t.generation_seconds if t.generation_seconds else 0.0
                 ),
@@ -225,16 +241,17 @@ def _median_rate(tallies: list[Tally], rate: Callable[[Tally], float]) -> float:
 
 def print_chat_table(rows: list[dict]) -> None:
     print(
-        "| system | side | tok/s (wall, end to end) | tok/CPU-s | tok/s (generation only) "
-        "| × its plain (generation) | accepted/drafted | starts as our plain |"
+        "| system | side | tok/s (wall, end to end) | tok/CPU-s | tok/CPU-s (marginal) "
+        "| tok/s (generation only) | × its plain (generation) | accepted/drafted | starts as our plain |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         accepted = f"{row['accepted']}/{row['drafted']}" if row["drafted"] else "-"
         speedup = f"{row['generation_speedup']:.2f}x" if row["generation_speedup"] else "-"
         print(
             f"| {row['system']} | {row['side']} | {row['tokens_per_second']:.1f} | "
-            f"{row['tokens_per_cpu_second']:.1f} | {row['generation_tokens_per_second']:.1f} | {speedup} | "
+            f"{row['tokens_per_cpu_second']:.1f} | {row['marginal_tokens_per_cpu_second']:.1f} | "
+            f"{row['generation_tokens_per_second']:.1f} | {speedup} | "
             f"{accepted} | {row['same_as_plain']}/{row['prompts']} |"
         )
 
@@ -243,10 +260,12 @@ def print_task_table(rows_by_task: dict[str, list[dict]], total: list[dict]) -> 
     """Each system's tokens per CPU-second and per wall-clock second (end to end), task by task
     and over all tasks: a total can hide a task where a system loses."""
     columns = [*rows_by_task, "total"]
-    print("\n| system | side | " + " | ".join(f"{c} tok/CPU-s | {c} tok/s" for c in columns) + " |")
+    print(
+        "\n| system | side | " + " | ".join(f"{c} tok/CPU-s (marginal) | {c} tok/s" for c in columns) + " |"
+    )
     print("|---|---|" + "---|---|" * len(columns))
     by_column = [{row["system"]: row for row in rows} for rows in (*rows_by_task.values(), total)]
     for row in total:
         figures = [rows[row["system"]] for rows in by_column]
-        cells = [f"{f['tokens_per_cpu_second']:.1f} | {f['tokens_per_second']:.1f}" for f in figures]
+        cells = [f"{f['marginal_tokens_per_cpu_second']:.1f} | {f['tokens_per_second']:.1f}" for f in figures]
         print(f"| {row['system']} | {row['side']} | " + " | ".join(cells) + " |")

@@ -13,8 +13,9 @@
 3. Pass costs: a pass of T rows (T in --pass-rows) after the prompt and the generated text,
    median of 15, as a multiple of the one-row pass.
 
-Run it with LLAMA_CPP_LIB_PATH=build/llama-tools/invariant/bin to measure llama.cpp's
-row-invariant build (`make llama-invariant`) instead of the installed one.
+It measures the library the backend chooses (`specdecode kernels` shows which: the row-invariant
+build of `specdecode kernels --build` where there is one); SPECDECODE_LLAMA_KERNELS=wheel in front
+measures llama-cpp-python's own.
 """
 
 from __future__ import annotations

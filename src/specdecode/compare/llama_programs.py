@@ -71,7 +71,9 @@ TOOL_TRIES = 10
 @dataclass
 class Tally:
     """Tokens and wall-clock seconds summed over the prompts of one round; drafted and accepted
-    tokens; where measured (the chat runs), CPU and generation-only seconds."""
+    tokens; where measured (the chat runs), CPU and generation-only seconds, and the tokens and
+    CPU seconds of the same runs asked for one token (`baseline`): loading, the prompt and the
+    first token, which the marginal rate leaves out."""
 
     tokens: int = 0
     seconds: float = 0.0
@@ -79,6 +81,8 @@ class Tally:
     accepted: int = 0
     cpu_seconds: float = 0.0
     generation_seconds: float = 0.0
+    baseline_tokens: int = 0
+    baseline_cpu_seconds: float = 0.0
 
     def add(
         self,
@@ -100,6 +104,17 @@ class Tally:
     @property
     def rate(self) -> float:
         return self.tokens / self.seconds if self.seconds else 0.0
+
+    def add_baseline(self, tokens: int, cpu_seconds: float) -> None:
+        self.baseline_tokens += tokens
+        self.baseline_cpu_seconds += cpu_seconds
+
+    @property
+    def marginal_cpu_rate(self) -> float:
+        """Tokens per CPU-second of the tokens past the first: what N more tokens cost, as the
+        difference between the runs asked for N and for one token, whatever loading costs."""
+        cpu = self.cpu_seconds - self.baseline_cpu_seconds
+        return (self.tokens - self.baseline_tokens) / cpu if cpu > 0 else 0.0
 
 
 @dataclass

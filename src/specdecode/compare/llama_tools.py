@@ -46,8 +46,11 @@ in an order rotated each round. For llama.cpp's programs the CPU time is the chi
 (getrusage), its model loading included, and wall-clock time the whole process's; their
 generation-only rate is from their printed timings. Ours run in this process with the models
 loaded once: CPU and wall-clock time of the generation call (prompt included), and the
-generation-only rate from its stats. The table sums the tasks; a second one gives each
-system's tokens per CPU-second and per second task by task, and --json FILE writes both.
+generation-only rate from its stats. Each run is preceded by the same run asked for one
+token: the marginal tokens per CPU-second, (N - 1) tokens over the difference of the two runs'
+CPU seconds, leave loading and the prompt out on both sides alike, and are the figure to
+compare. The table sums the tasks; a second one gives each system's marginal tokens per
+CPU-second and tokens per second task by task, and --json FILE writes both.
 --also-no-repack adds our plain and default systems on the weights in the file's layout (`-nr`):
 llama.cpp's repacked Q4_K rows are bit-identical only up to a few rows a pass, which caps the
 drafts an exact verify may take.

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from specdecode.backends import Backend, evaluate_continuation
+from specdecode.backends import Backend, common_prefix, evaluate_continuation
 from specdecode.config import DraftModelConfig
 from specdecode.drafts import Draft, path_to
 from specdecode.errors import SpecdecodeError
@@ -149,6 +149,18 @@ class DraftModelStrategy:
             if constraint is not None:
                 constraint.rewind()
         return self._to_target(tokens, rows, confidences, n_max)
+
+    def catch_up(self, history: Sequence[int], last: int, n_tokens: int) -> None:
+        """Read up to `n_tokens` more of the context the next draft call would read (history +
+        [last]) into the draft's cache, without drafting: a policy's catch-up after a long
+        prompt or gap (`specdecode.chain`), a chunk a step. `last` is left to the draft call,
+        which needs its logits."""
+        context = self._draft_context(history, last, min(self.config.n_max, self.backend.n_ctx - 1))
+        keep = common_prefix(self.backend.tokens, context)
+        end = min(len(context) - 1, keep + n_tokens)
+        if end > keep:
+            self.backend.truncate(keep)
+            self.backend.evaluate(context[keep:end], logits_rows=0)
 
     def _draft_tree(self, context: list[int], root_logits: torch.Tensor, n_max: int) -> Draft:
         """The p_split tree after `context` (whose logits are root_logits), at most n_max nodes."""
