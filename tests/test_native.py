@@ -566,14 +566,17 @@ def test_native_refuses_other_models_and_unknown_backends(saved):
 
 def test_auto_dtype_is_bfloat16_only_for_native_on_a_bf16_cpu(saved):
     assert json.loads((saved["bf16"] / "config.json").read_text())["dtype"] == "bfloat16"
-    ours = load_backend(saved["bf16"])
+    ours = load_backend(saved["bf16"], LoadOptions(backend="native"))  # auto may take llama.cpp
     assert type(ours) is NativeBackend
     if torch.ops.mkldnn._is_mkldnn_bf16_supported():
         assert ours.model.dtype == torch.bfloat16 and ours.invariant
     else:
         assert ours.model.dtype == torch.float32
     assert load_backend(saved["bf16"], LoadOptions(backend="hf")).model.dtype == torch.float32
-    assert load_backend(saved["bf16"], LoadOptions(dtype="float32")).model.dtype == torch.float32
+    assert (
+        load_backend(saved["bf16"], LoadOptions(backend="native", dtype="float32")).model.dtype
+        == torch.float32
+    )
 
 
 @pytest.mark.parametrize(

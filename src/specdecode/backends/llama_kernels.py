@@ -6,8 +6,10 @@ llama.cpp built with GGML_BACKEND_DL and GGML_CPU_ALL_VARIANTS puts its CPU kern
 library per instruction-set level (libggml-cpu-haswell.so, -zen4, -sapphirerapids, ...), loaded
 at run time. `specdecode kernels --build` compiles libllama, libggml, libggml-base and the
 variants this CPU can run into the user's cache, from the installed llama-cpp-python's own
-source, without llamafile's sgemm and the repacked layouts (whose rows change with the size of
-a pass), smoke-tests each variant in a process of its own and writes a manifest. Here, before
+source, without llamafile's sgemm (whose f32, f16 and bf16 rows change with the size of a pass;
+the repacked layouts stay: they make K-quant steps 1.2-1.5x faster, their row cap is the probe's,
+and `-nr` turns them off per model), smoke-tests each variant in a process of its own and
+writes a manifest. Here, before
 `import llama_cpp` (llama-cpp-python binds its library then, from LLAMA_CPP_LIB_PATH if set):
 
 - LLAMA_CPP_LIB_PATH set by the user is respected;
@@ -47,15 +49,14 @@ MANIFEST_FORMAT = 1
 CACHE_NAME = "llama-kernels"
 
 # How the libraries are built: every CPU variant as a library of its own, chosen at run time,
-# and no kernel whose rows change with the pass size (llamafile's sgemm for f32/f16/bf16, the
-# repacked weight layouts). Part of the build's key.
+# and no llamafile sgemm, whose f32/f16/bf16 rows change with the pass size. The repacked weight
+# layouts are kept: a run-time switch (`-nr`) turns them off. Part of the build's key.
 CMAKE_FLAGS = (
     "-DCMAKE_BUILD_TYPE=Release",
     "-DGGML_NATIVE=OFF",
     "-DGGML_BACKEND_DL=ON",
     "-DGGML_CPU_ALL_VARIANTS=ON",
     "-DGGML_LLAMAFILE=OFF",
-    "-DGGML_CPU_REPACK=OFF",
     "-DLLAMA_BUILD_COMMON=OFF",
     "-DLLAMA_BUILD_TESTS=OFF",
     "-DLLAMA_BUILD_EXAMPLES=OFF",
