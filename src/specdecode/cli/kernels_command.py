@@ -24,6 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from specdecode.cli.settings import say
 from specdecode.errors import SpecdecodeError
 
 SMOKE_FORMATS = ("f32", "f16", "bf16", "q8_0", "q4_0")
@@ -55,7 +56,7 @@ def add_kernels_parser(commands: argparse._SubParsersAction) -> None:
         description=(
             "Which llama.cpp library the llama.cpp backend runs: llama.cpp's CPU variants built "
             "for this CPU (the best it runs, row-invariant in every pass size) or "
-            "llama-cpp-python's own portable build. --build compiles them (about 10 CPU-minutes, "
+            "llama-cpp-python's own portable build. --build compiles them (about 5 CPU-minutes, "
             "once per llama-cpp-python version) into $XDG_CACHE_HOME/specdecode/llama-kernels. "
             "SPECDECODE_LLAMA_KERNELS=wheel runs llama-cpp-python's own library instead; "
             "LLAMA_CPP_LIB_PATH, when set, is always respected."
@@ -356,7 +357,3 @@ def run(command: list[str], failure: str, log: Path | None = None) -> None:
         shown = "\n".join((errors or lines)[-12:])
         where = f" (all of it in {log})" if log is not None else ""
         raise SpecdecodeError(f"{failure}{where}:\n{shown}")
-
-
-def say(text: str) -> None:
-    print(f"specdecode: {text}", file=sys.stderr, flush=True)
