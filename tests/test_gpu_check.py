@@ -104,8 +104,15 @@ def test_a_quick_cpu_run_writes_every_section(tmp_path):
     oracle = rows[ORACLE_SYSTEM]
     assert oracle["accepted"] == 1.0 and oracle[VS_PLAIN] == "identical"
     assert oracle["ceiling x our plain"] > 1 and "x strongest baseline" not in oracle
+    # The long prompt's first token: ours and the compiled loop's prompt pass, the same token.
+    prefill = {row["system"]: row for row in sections["prefill"]["rows"]}
+    assert set(prefill) == {PLAIN_SYSTEM, COMPILED_LOOP}
+    for row in prefill.values():
+        assert row["prompt tokens"] == QUICK.ttft_prompt and row["runs"] == 3 and row["TTFT ms"] > 0, row
+    assert prefill[COMPILED_LOOP][VS_PLAIN] == "identical"
     statuses = {row["goal"]: row["status"] for row in sections["goals"]["rows"]}
     assert statuses["plain >= 1.1x the strongest baseline"] in ("met", "MISSED")
+    assert statuses["a 17-row verify pass <= 1.1x a one-row pass"] in ("met", "MISSED")
     assert statuses["oracle ceiling >= 6x our plain"] in ("met", "MISSED")
     assert {row["status"] for row in sections["goals"]["rows"]} <= {"met", "MISSED", "not measured"}
     markdown = (tmp_path / "gpu_check.md").read_text()
@@ -200,6 +207,82 @@ def test_the_strongest_baseline_and_the_goals_read_against_it(tmp_path):
     assert found[small, "plain MBU >= 40% of the roofline"]["status"] == "MISSED"
     assert "fallback" in found[small, "plain >= 1.1x the strongest baseline"]["numbers"]
     assert found[small, "oracle ceiling >= 6x our plain"]["status"] == "not measured"
+
+
+def pass_row(shape: str, mode: str, rows: int, ms: float, call: str = "evaluate") -> dict:
+    return {"shape": shape, "mode": mode, "call": call, "sequences": 1, "rows each": rows, "ms": ms}
+
+
+def prefill_row(shape: str, mode: str, system: str, prompt: int, ms: float) -> dict:
+    return {"shape": shape, "mode": mode, "system": system, "prompt tokens": prompt, "TTFT ms": ms, "runs": 3}
+
+
+def test_the_verify_pass_batch_and_first_token_goals(tmp_path):
+    """Met, missed and not measured, from hand-made tables: a 17-row pass against a one-row
+    pass (one sequence's evaluate, not several sequences' passes), batch 32 against batch 8 on
+    the 8B shape, and the 8B shape's time to the first token of a 4000-token prompt (a
+    shorter prompt measures nothing)."""
+    big, small = SHAPES["8b"].label, SHAPES["1b"].label
+    passes = [
+        pass_row(big, "fixed", 1, 8.69),
+        pass_row(big, "fixed", 17, 9.3),
+        pass_row(big, "fixed", 1, 0.5, call="evaluate_groups"),  # not a one-row verify pass
+        pass_row(big, "bucketed", 1, 7.24),
+        pass_row(big, "bucketed", 17, 9.82),
+        pass_row(small, "fixed", 1, 2.84),
+    ]
+    batches = (("fixed", 8, 458.0), ("fixed", 32, 1000.0), ("bucketed", 8, 458.0), ("bucketed", 32, 359.0))
+    batches += (("invariant", 8, 100.0),)  # no batch of 32
+    speed = [
+        {"shape": big, "mode": mode, "system": f"ours batch of {count}", "tokens/s": rate}
+        for mode, count, rate in batches
+    ]
+    prefill = [
+        prefill_row(big, "fixed", PLAIN_SYSTEM, 4000, 180.0),
+        prefill_row(big, "bucketed", PLAIN_SYSTEM, 4000, 300.0),
+        prefill_row(big, "invariant", PLAIN_SYSTEM, 256, 20.0),
+        prefill_row(big, "-", COMPILED_LOOP, 4000, 150.0),
+        prefill_row(small, "fixed", PLAIN_SYSTEM, 4000, 60.0),
+    ]
+    report = Report(tmp_path, {"gpu": "none"}, {})
+    for name, rows in (("passes", passes), ("speed", speed), ("prefill", prefill)):
+        report.data["sections"][name] = {"seconds": 0.0, "errors": [], "skipped": [], "rows": rows}
+    run = Run(report, torch.device("cpu"), QUICK, [], [], ["fixed", "bucketed", "invariant"], [SHAPES["8b"]])
+    with report.section("goals"):
+        goals(run)
+    found = {
+        (row["shape"], row["mode"], row["goal"]): row for row in report.data["sections"]["goals"]["rows"]
+    }
+    verify = "a 17-row verify pass <= 1.1x a one-row pass"
+    assert found[big, "fixed", verify]["status"] == "met"
+    assert found[big, "fixed", verify]["numbers"] == "1.07x (9.30 vs 8.69 ms)"
+    assert found[big, "bucketed", verify]["status"] == "MISSED"
+    assert found[small, "fixed", verify]["status"] == "not measured"
+    batch = "batch 32 >= 2x the tokens/s of batch 8"
+    assert found[big, "fixed", batch]["status"] == "met"
+    assert found[big, "fixed", batch]["numbers"] == "2.18x (1000.0 vs 458.0 tokens/s)"
+    assert found[big, "bucketed", batch]["status"] == "MISSED"
+    assert found[big, "invariant", batch]["status"] == "not measured"
+    ttft = "time to the first token of a 4000-token prompt <= 0.25 s"
+    assert found[big, "fixed", ttft]["status"] == "met"
+    assert (
+        found[big, "fixed", ttft]["numbers"]
+        == "0.180 s (median of 3); compiled loop (gpt-fast style): 0.150 s"
+    )
+    assert found[big, "bucketed", ttft]["status"] == "MISSED"
+    assert found[big, "invariant", ttft]["status"] == "not measured"
+    assert found[big, "invariant", ttft]["numbers"] == "a 256-token prompt only"
+    assert not [key for key in found if key[0] == small and key[2] in (batch, ttft)]  # goals of the 8B shape
+
+
+def test_without_their_sections_the_new_goals_are_not_measured(tmp_path):
+    report = Report(tmp_path, {"gpu": "none"}, {})
+    run = Run(report, torch.device("cpu"), QUICK, [], [], ["fixed"], [SHAPES["8b"]])
+    with report.section("goals"):
+        goals(run)
+    rows = report.data["sections"]["goals"]["rows"]
+    new = [row for row in rows if row["goal"].startswith(("a 17-row", "batch 32", "time to the first"))]
+    assert len(new) == 3 and {row["status"] for row in new} == {"not measured"}, new
 
 
 def test_the_compiled_loop_decodes_as_transformers_generate():

@@ -37,7 +37,7 @@ from specdecode.constraints import Constraint
 from specdecode.costs import ALONE, PassLoad, PassShare
 from specdecode.drafts import Draft
 from specdecode.errors import SpecdecodeError
-from specdecode.sampling import NO_TOKEN, Sampler
+from specdecode.sampling import NO_TOKEN, Sampler, reduce_rows, reducible
 from specdecode.stats import GenerationStats
 from specdecode.text import TextAssembler
 from specdecode.verdicts import generation_verdicts
@@ -191,7 +191,20 @@ class Generation:
             size = max(1, limit)
         chunk = self.prompt[self._prefilled : self._prefilled + size]
         final = self._prefilled + len(chunk) == len(self.prompt)
-        return RowGroup(self.target, chunk, logits_rows=1 if final else 0)
+        return RowGroup(self.target, chunk, logits_rows=1 if final else 0, on_device=final and self.on_device)
+
+    @property
+    def on_device(self) -> bool:
+        """Whether the target's rows are reduced where its pass ran (`reduce_rows`), so that only
+        their candidates come to the host: a target that can keep its logits there, and
+        settings whose reduced rows sample as the full ones (`reducible`), with no grammar to
+        mask the rows nor logits to keep."""
+        return (
+            getattr(self.target, "logits_on_device", False)
+            and self.constraint is None
+            and not self.keep_logits
+            and reducible(self.sampler.params, self.target.vocab.size)
+        )
 
     @property
     def exact_prompt_cuts(self) -> bool:
@@ -209,11 +222,14 @@ class Generation:
         self.chain.begin(self.prompt)
         self.stats.t_prompt = time.perf_counter() - self._start
         self._history = list(self.prompt)
-        first = logits[0] if self.constraint is None else self.constraint.mask(logits[0])
+        if rows.on_device:  # only the row's candidates come to the host
+            first = reduce_rows(logits, self.sampler.params)[0]
+        else:
+            first = logits[0] if self.constraint is None else self.constraint.mask(logits[0])
         token = self.sampler.sample(first, self._history)
         if self.on_step is not None:
             self.on_step(Draft(), Verdict([token], []))
-        return self._emit([token], Draft(), 0, first[None])
+        return self._emit([token], Draft(), 0, None if rows.on_device else first[None])
 
     def step(self, max_draft: int | None = None) -> Chunk:
         """One draft -> verify -> accept round in a pass of its own."""
@@ -259,10 +275,8 @@ class Generation:
         t_draft = time.perf_counter() - start
         self.stats.t_draft += t_draft
         self.target.truncate(len(history))
-        if draft.is_chain:
-            rows = RowGroup(self.target, [last, *draft.tokens])
-        else:
-            rows = RowGroup(self.target, [last, *draft.tokens], [-1, *(p + 1 for p in draft.parent_list())])
+        parents = None if draft.is_chain else [-1, *(p + 1 for p in draft.parent_list())]
+        rows = RowGroup(self.target, [last, *draft.tokens], parents, on_device=self.on_device)
         return StepPlan(draft, rows, t_draft)
 
     def finish(
@@ -276,6 +290,8 @@ class Generation:
         last = plan.rows.ids[0]
         if self.constraint is not None:
             logits = self.constraint.mask_rows(draft, logits)
+        if plan.rows.on_device:  # only each row's candidates come to the host
+            logits = reduce_rows(logits, self.sampler.params)
         verdict = self._verify(draft, logits, [*history, last])
         if self.on_step is not None:
             self.on_step(draft, verdict)

@@ -12,7 +12,8 @@ A draft is a chain or a token tree (`Draft.parents`); a chain is the tree with o
 both functions treat it so. They read logits rows [N+1, V] that the target computed in one
 pass for `last` (row 0) and the draft's nodes (row i + 1 for node i), walk down from the
 root, and return the emitted tokens with the accepted path. They touch no model, cache or
-strategy.
+strategy. The rows are a host tensor or, reduced where the pass ran, one
+`specdecode.sampling.ReducedRow` each: the sampler reads either alike.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ import torch
 
 from specdecode.config import VERIFY_MODES as VERIFY_MODES  # re-exported: generate reads it here
 from specdecode.drafts import Draft
-from specdecode.sampling import Sampler, distribution
+from specdecode.sampling import ReducedRow, Sampler, distribution, row_vocab
+
+LogitsRows = torch.Tensor | Sequence[ReducedRow]  # [N+1, V] on the host, or each row's stage 1
 
 
 @dataclass(frozen=True)
@@ -47,7 +50,7 @@ def children_of(draft: Draft) -> dict[int, list[int]]:
 
 def verify_match(
     draft: Draft,
-    logits: torch.Tensor,
+    logits: LogitsRows,
     sampler: Sampler,
     history: Sequence[int],
     eog_ids: frozenset[int],
@@ -62,7 +65,7 @@ def verify_match(
 
     logits: [N+1, V]. Returns the emitted tokens (length n_accepted + 1) and the path.
     """
-    assert logits.ndim == 2 and logits.shape[0] == len(draft.tokens) + 1, "logits must be [N+1, V]"
+    assert len(logits) == len(draft.tokens) + 1, "logits must be [N+1, V]"
     children = children_of(draft)
     emitted: list[int] = []
     path: list[int] = []
@@ -83,7 +86,7 @@ def verify_match(
 
 def verify_rejection(
     draft: Draft,
-    logits: torch.Tensor,
+    logits: LogitsRows,
     sampler: Sampler,
     history: Sequence[int],
     eog_ids: frozenset[int],
@@ -104,8 +107,8 @@ def verify_rejection(
     """
     if sampler.params.greedy:
         return verify_match(draft, logits, sampler, history, eog_ids)
-    assert logits.ndim == 2 and logits.shape[0] == len(draft.tokens) + 1, "logits must be [N+1, V]"
-    vocab = logits.shape[1]
+    assert len(logits) == len(draft.tokens) + 1, "logits must be [N+1, V]"
+    vocab = row_vocab(logits[0])
     children = children_of(draft)
     emitted: list[int] = []
     path: list[int] = []

@@ -33,6 +33,10 @@ class RowGroup:
     ids: list[int]
     parents: list[int] | None = None  # None: a chain after the cached tokens; else tree nodes
     logits_rows: int | None = None  # a chain's last rows whose logits are wanted (None: all)
+    # The logits may stay on the backend's device (float32, or float64 where the model is): the
+    # consumer reduces them there (`specdecode.sampling.reduce_rows`). Only a backend that says
+    # `logits_on_device` is asked; every other group's logits come to the host.
+    on_device: bool = False
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -93,7 +97,10 @@ def evaluate_groups(groups: Sequence[RowGroup]) -> list[torch.Tensor]:
 
 
 def score_alone(group: RowGroup) -> torch.Tensor:
-    """One group's own pass."""
+    """One group's own pass (through `evaluate_groups` where its logits stay on the device:
+    a group alone gets the bits its own pass gives it)."""
+    if group.on_device:
+        return group.backend.evaluate_groups([group])[0]  # type: ignore[attr-defined]
     if group.parents is None:
         return group.backend.evaluate(group.ids, group.logits_rows)
     return group.backend.evaluate_tree(group.ids, group.parents)

@@ -127,6 +127,9 @@ class GatheredBackend:
     """A draft backend whose passes join the round's shared pass (see `DraftPasses`); every
     other attribute is the wrapped backend's."""
 
+    # A batch's sequences draft in shared passes, a row each a round, not each on its device.
+    drafts_on_device = False
+
     def __init__(self, backend: Backend, passes: DraftPasses) -> None:
         self.inner = backend
         self.passes = passes

@@ -207,7 +207,8 @@ class NativeBackend(HFBackend):
     def evaluate_groups(self, groups: Sequence[RowGroup]) -> list[torch.Tensor]:
         """Several sequences' rows in one forward (see `specdecode.backends.batch`); each
         group's backend is a NativeBackend over these weights. Every group is checked before
-        any cache changes, so a refused pass leaves every sequence as it was."""
+        any cache changes, so a refused pass leaves every sequence as it was. Logits come to
+        the host, but a group `on_device`'s stay where the pass ran."""
         for group in groups:
             backend = group.backend
             assert isinstance(backend, NativeBackend) and backend.weights is self.weights
@@ -237,8 +238,13 @@ class NativeBackend(HFBackend):
             keep = torch.tensor(rows, device=self.device)
         logits = self._run(parts, keep)
         if logits.dtype != torch.float64:
-            logits = logits.float().cpu()
-        return list(logits.split(wanted))
+            logits = logits.float()
+        if not any(group.on_device for group in groups):
+            return list(logits.cpu().split(wanted))
+        if logits.device.type == "cuda":  # the pass ends here, as the copy to the host ended it
+            torch.cuda.synchronize(logits.device)
+        rows = logits.split(wanted)
+        return [row if group.on_device else row.cpu() for group, row in zip(groups, rows, strict=True)]
 
     def _linear_rows(self, chunk: Sequence[int]) -> Rows:
         """Rows appended after the cached tokens, each seeing every position before it."""

@@ -17,6 +17,8 @@ Sections (`--sections` picks some):
 - replay: speculation at those shapes under real acceptance: traces recorded on a CPU with real
   pairs, replayed with every pass a real run makes (`gpu_replay`), after a calibration that
   replays the bundled pair's own trace beside its real run;
+- prefill: the time to the first token of a 4,000-token prompt (256 with --quick), ours per
+  mode beside the compiled loop's prompt pass (`gpu_prefill`);
 - goals: the plan's targets, met or missed, from the numbers above.
 
 Why it is built this way: it runs once, on a machine with only torch, triton, transformers,
@@ -29,7 +31,7 @@ measured. `--device cpu --quick` runs the whole of it on tiny shapes, to check t
 This module holds the goals section and the run; its settings are in `gpu_setup`, the report in
 `gpu_report`, the models and shared helpers in `gpu_models`, the sections in `gpu_exactness` and
 `gpu_speed` (passes and speed, with `gpu_baselines` and the roofline's arithmetic in
-`gpu_roofline`) and `gpu_replay`.
+`gpu_roofline`), `gpu_replay` and `gpu_prefill`.
 """
 
 from __future__ import annotations
@@ -46,18 +48,22 @@ import transformers
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from specdecode.backends.hf import DTYPES
-from specdecode.compare.gpu_baselines import strongest_baseline
+from specdecode.compare.gpu_baselines import COMPILED_LOOP, strongest_baseline
 from specdecode.compare.gpu_exactness import exactness
 from specdecode.compare.gpu_models import Run, random_model, word_tokenizer
+from specdecode.compare.gpu_prefill import prefill
 from specdecode.compare.gpu_replay import CALIBRATION_GOAL, REPLAY_BUDGET, replay_section
 from specdecode.compare.gpu_report import Report, machine
 from specdecode.compare.gpu_setup import (
     FULL,
+    GOAL_BATCH,
     GOAL_EAGLE3,
     GOAL_IDLE,
     GOAL_MBU,
     GOAL_ORACLE,
     GOAL_PLAIN,
+    GOAL_TTFT,
+    GOAL_VERIFY,
     GRAPH_MODES,
     MODES,
     N_CTX,
@@ -66,6 +72,7 @@ from specdecode.compare.gpu_setup import (
     QUICK,
     SECTIONS,
     SHAPES,
+    VERIFY_ROWS,
     Shape,
     release,
 )
@@ -100,6 +107,9 @@ def goals(run: Run) -> None:
             idle = plain.get("GPU idle")
             numbers, met = (None, None) if idle is None else (f"{100 * idle:.1f}% idle", idle <= GOAL_IDLE)
             add_goal(*where, f"GPU idle <= {100 * GOAL_IDLE:.0f}% of a plain decode", numbers, met)
+    verify_goals(run, sections.get("passes", {}).get("rows", []))
+    batch_goals(run, speed_rows, modes)
+    ttft_goals(run, sections.get("prefill", {}).get("rows", []), modes)
     replay_goals(run, sections.get("replay", {}))
     greedy = [row for row in sections.get("exactness", {}).get("rows", []) if row["sampling"] == "greedy"]
     goal = "greedy output identical to plain (or within rounding)"
@@ -116,6 +126,68 @@ def goals(run: Run) -> None:
 
 
 EXPLAINED = ("exact", "within rounding")
+
+
+def verify_goals(run: Run, passes: list[dict]) -> None:
+    """A verify pass of VERIFY_ROWS rows against a one-row pass, one sequence after the same
+    cached prefix (the passes section's table), per shape and mode."""
+    found = {
+        (row["shape"], row["mode"], row["rows each"]): row["ms"]
+        for row in passes
+        if row["call"] == "evaluate" and row["sequences"] == 1
+    }
+    goal = f"a {VERIFY_ROWS}-row verify pass <= {GOAL_VERIFY:g}x a one-row pass"
+    for shape, mode in dict.fromkeys((shape, mode) for shape, mode, _ in found) or [("all", "-")]:
+        verify, one = found.get((shape, mode, VERIFY_ROWS)), found.get((shape, mode, 1))
+        if verify is None or one is None:
+            add_goal(run, shape, mode, goal, None, None)
+        else:
+            numbers = f"{verify / one:.2f}x ({verify:.2f} vs {one:.2f} ms)"
+            add_goal(run, shape, mode, goal, numbers, verify <= GOAL_VERIFY * one)
+
+
+def batch_goals(run: Run, speed_rows: list[dict], modes: list[str]) -> None:
+    """Our plain batches on the shapes GOAL_BATCH names: the larger batch's tokens/s (all its
+    sequences') against the smaller's."""
+    rates = {(row["shape"], row["mode"], row["system"]): row.get("tokens/s") for row in speed_rows}
+    measured = {shape.label for shape in run.shapes}
+    for shape, (small, large, factor) in GOAL_BATCH.items():
+        if shape not in measured:
+            continue
+        goal = f"batch {large} >= {factor:g}x the tokens/s of batch {small}"
+        for mode in modes:
+            large_rate = rates.get((shape, mode, f"ours batch of {large}"))
+            small_rate = rates.get((shape, mode, f"ours batch of {small}"))
+            if large_rate is None or small_rate is None:
+                add_goal(run, shape, mode, goal, None, None)
+            else:
+                numbers = f"{large_rate / small_rate:.2f}x ({large_rate:.1f} vs {small_rate:.1f} tokens/s)"
+                add_goal(run, shape, mode, goal, numbers, large_rate >= factor * small_rate)
+
+
+def ttft_goals(run: Run, prefill_rows: list[dict], modes: list[str]) -> None:
+    """Our time to the first token on the shapes GOAL_TTFT names, per mode the prefill section
+    measured (else `modes`): not measured where its prompt was shorter than the goal's (a quick
+    run's)."""
+    found = {(row["shape"], row["mode"], row["system"]): row for row in prefill_rows}
+    modes = list(dict.fromkeys(row["mode"] for row in prefill_rows if row["mode"] != "-")) or modes
+    measured = {shape.label for shape in run.shapes}
+    for shape, (prompt, limit) in GOAL_TTFT.items():
+        if shape not in measured:
+            continue
+        goal = f"time to the first token of a {prompt}-token prompt <= {limit:g} s"
+        loop = found.get((shape, "-", COMPILED_LOOP))
+        for mode in modes:
+            row = found.get((shape, mode, PLAIN_SYSTEM))
+            if row is None or row["prompt tokens"] < prompt:
+                numbers = None if row is None else f"a {row['prompt tokens']}-token prompt only"
+                add_goal(run, shape, mode, goal, numbers, None)
+                continue
+            seconds = row["TTFT ms"] / 1e3
+            numbers = f"{seconds:.3f} s (median of {row['runs']})"
+            if loop is not None and loop["prompt tokens"] == row["prompt tokens"]:
+                numbers += f"; {COMPILED_LOOP}: {loop['TTFT ms'] / 1e3:.3f} s"
+            add_goal(run, shape, mode, goal, numbers, seconds <= limit)
 
 
 def replay_goals(run: Run, replayed: dict) -> None:
@@ -266,7 +338,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.set_num_threads(1)
     sizes = QUICK if args.quick else FULL
     if device.type != "cuda":  # the budgets ration a GPU's borrowed minutes; a CPU run rehearses all
-        sizes = replace(sizes, exactness_budget=None, passes_budget=None, speed_budget=None)
+        sizes = replace(
+            sizes, exactness_budget=None, passes_budget=None, speed_budget=None, prefill_budget=None
+        )
     settings = {
         "quick": args.quick,
         "sections": args.sections,
@@ -297,6 +371,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "passes": (pass_costs, sizes.passes_budget),
         "speed": (speed, sizes.speed_budget),
         "replay": (replay_section, replay_budget),
+        "prefill": (prefill, sizes.prefill_budget),  # last: its engine goes with the model
     }
     timings = {name: entry for name, entry in timings.items() if name in args.sections}
     for shape in run.shapes if timings else []:

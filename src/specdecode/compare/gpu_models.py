@@ -99,8 +99,10 @@ class Clock:
         return Timing(tokens, seconds, self.first, idle)
 
 
-def make_backend(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, mode: str, name: str) -> Backend:
-    return native_backend(model, tokenizer, passes=mode, n_ctx=N_CTX, name=name)
+def make_backend(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, mode: str, name: str, n_ctx: int = N_CTX
+) -> Backend:
+    return native_backend(model, tokenizer, passes=mode, n_ctx=n_ctx, name=name)
 
 
 def busy_seconds(backend: Backend) -> float | None:

@@ -143,6 +143,9 @@ CAPTIONS = {
     "accept decisions and emitted ids from the trace (replayed tokens/pass must equal the recorded); "
     "x ours plain and x strongest baseline against batch-1 decode tokens/s; predicted: the cost model's",
     ("replay", "batches"): "replayed traces sharing each pass, tokens/s of them all",
+    ("prefill", "rows"): "time to the first token of one long prompt of random ids (prompt tokens: its "
+    "length), on an empty cache each run: median of the runs after a warm-up (which grows the cache and "
+    "captures the passes), range min–max; ours in a backend whose context holds the prompt",
     ("goals", "rows"): "the plan's targets",
 }
 

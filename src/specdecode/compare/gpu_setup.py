@@ -11,7 +11,7 @@ import torch
 
 from specdecode.strategies import NgramMapConfig, NgramSettings
 
-SECTIONS = ("exactness", "passes", "speed", "replay", "goals")
+SECTIONS = ("exactness", "passes", "speed", "replay", "prefill", "goals")
 MODES = ("fixed", "bucketed", "invariant")
 GRAPH_MODES = ("fixed", "bucketed")
 N_CTX = 512  # every backend's context: the longest run is a 128-token prompt, 128 tokens and a draft
@@ -31,7 +31,9 @@ WARMUP_TOKENS = 8  # a short run before each timed one: CUDA graphs are captured
 TOLERANCE = 2.0  # a difference is allowed where plain's top-2 margin <= this x the max rounding
 GOAL_PLAIN = 1.1  # our plain >= this x the strongest baseline's decode tokens/s, batch 1
 GOAL_ORACLE = 6.0  # the oracle ceiling >= this x our plain
-GOAL_IDLE = 0.10  # GPU idle share of a plain decode step with graphs
+GOAL_IDLE = 0.05  # GPU idle share of a plain decode step with graphs
+VERIFY_ROWS = 17  # a default verify pass: 16 drafted tokens and the last
+GOAL_VERIFY = 1.1  # a pass of VERIFY_ROWS rows costs <= this x a one-row pass
 
 # Code, the first of it repetitive (a quick run keeps the first prompts).
 PROMPTS = (
@@ -70,6 +72,10 @@ SHAPES = {
 # gpt-fast sit on an 8B model; launch and tail effects cap multi-kernel engines lower on a 1B.
 GOAL_MBU = {SHAPES["1b"].label: 0.40, SHAPES["8b"].label: 0.65}
 GOAL_EAGLE3 = {SHAPES["8b"].label: 2.0}  # EAGLE-3 replay of real acceptance, temperature 0, x our plain
+# Our plain batches: the larger batch >= this x the tokens/s of the smaller, by shape.
+GOAL_BATCH = {SHAPES["8b"].label: (8, 32, 2.0)}
+# Time to the first token of a prompt of this many tokens <= these seconds, by shape.
+GOAL_TTFT = {SHAPES["8b"].label: (4000, 0.25)}
 LLAMA3_ROPE = {
     "rope_type": "llama3",
     "rope_theta": 500000.0,
@@ -88,7 +94,7 @@ class Sizes:
     prompts: int = 8  # exactness: prompts, and tokens generated for each
     new_tokens: int = 64
     prefix: int = 128  # passes: tokens cached before a timed pass
-    rows: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    rows: tuple[int, ...] = (1, 2, 4, 8, 16, 17, 32, 64)  # 17: VERIFY_ROWS
     sequences: tuple[int, ...] = (1, 8, 32)
     sequence_rows: tuple[int, ...] = (1, 4)
     reps: int = 5
@@ -96,11 +102,13 @@ class Sizes:
     speed_tokens: int = 128
     speed_repeats: int = 3  # timed generations of every batch-1 figure: median and range
     batches: tuple[int, ...] = (1, 8, 32)
+    ttft_prompt: int = 4000  # prefill: the prompt whose time to the first token is measured
     exactness_budget: float | None = 60.0  # None: no limit
     passes_budget: float | None = 30.0
     # Ours and the baselines on both shapes, two compilations a shape among them (30-60 s each
     # for the 8B shape on a cold machine): the parts run most important first.
     speed_budget: float | None = 190.0
+    prefill_budget: float | None = 30.0  # a few seconds on an H200: the rest is slack
 
 
 FULL = Sizes()
@@ -108,16 +116,18 @@ QUICK = Sizes(
     prompts=2,
     new_tokens=16,
     prefix=32,
-    rows=(1, 4, 16),
+    rows=(1, 4, 16, 17),
     sequences=(1, 4),
     sequence_rows=(1, 2),
     reps=3,
     speed_prompt=32,
     speed_tokens=32,
     batches=(1, 4),
+    ttft_prompt=256,
     exactness_budget=40.0,
     passes_budget=20.0,
     speed_budget=120.0,
+    prefill_budget=20.0,
 )
 
 

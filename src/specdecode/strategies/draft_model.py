@@ -24,12 +24,14 @@ nodes, from each candidate's rank probability: never from which token was drawn.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from specdecode.backends import Backend, common_prefix, evaluate_continuation
+from specdecode.backends.batch import RowGroup, score_alone
+from specdecode.backends.graph_draft import DEVICE_DRAFT_STEPS
 from specdecode.config import DraftModelConfig
 from specdecode.drafts import Draft, path_to
 from specdecode.errors import SpecdecodeError
@@ -114,6 +116,8 @@ class DraftModelStrategy:
         context = self._draft_context(history, last, n_max)
         if not context:
             return Draft()  # special tokens alone translate to no text: nothing to continue
+        if self._drafts_on_device():
+            return self._draft_on_device(context, n_max)
         logits = evaluate_continuation(self.backend, context)  # [V]
         if self.config.n_parallel > 1:
             try:
@@ -149,6 +153,50 @@ class DraftModelStrategy:
             if constraint is not None:
                 constraint.rewind()
         return self._to_target(tokens, rows, confidences, n_max)
+
+    def _drafts_on_device(self) -> bool:
+        """A greedy chain without a grammar, on a draft backend that drafts on its device (the
+        GPU's graph passes): its steps run there, several a call (`_draft_on_device`)."""
+        return (
+            self.sampler is None
+            and self.constraint is None
+            and self.config.n_parallel == 1
+            and getattr(self.backend, "drafts_on_device", False)
+        )
+
+    def _draft_on_device(self, context: list[int], n_max: int) -> Draft:
+        """The chain `draft` drafts, from the backend's device steps: the same argmax tokens and
+        top-1 confidences, cut by the same rules (p_min or the policy's), read a call at a time."""
+        tokens: list[int] = []
+        confidences: list[float] = []
+        for token, confidence in self._device_steps(context, n_max):
+            depth = len(tokens) + 1
+            if not continue_draft(self.keep_drafting, depth, confidence, self.config.p_min):
+                break
+            if self.translator is None and token >= self.target_vocab_size:
+                break  # the target cannot emit ids past its vocabulary
+            tokens.append(token)
+            confidences.append(confidence)
+            if not look_further(self.keep_drafting, depth, n_max):
+                break
+        return self._to_target(tokens, [None] * len(tokens), confidences, n_max)
+
+    def _device_steps(self, context: list[int], n_max: int) -> Iterator[tuple[int, float]]:
+        """(token, top-1 confidence) of each greedy step, DEVICE_DRAFT_STEPS a call; a call
+        runs only when the draft asks for its first token, and the last evaluates nothing past
+        n_max."""
+        backend = self.backend
+        keep = min(common_prefix(backend.tokens, context), len(context) - 1)
+        backend.truncate(keep)
+        logits = score_alone(RowGroup(backend, context[keep:], logits_rows=1, on_device=True))[0]
+        drafted = 0
+        while drafted < n_max:
+            steps = min(DEVICE_DRAFT_STEPS, n_max - drafted)
+            drafted += steps
+            ids, confidences, logits = backend.draft_greedy(  # type: ignore[attr-defined]
+                logits, steps, drafted < n_max, CONFIDENCE_TOP_K
+            )
+            yield from zip(ids, confidences, strict=True)
 
     def catch_up(self, history: Sequence[int], last: int, n_tokens: int) -> None:
         """Read up to `n_tokens` more of the context the next draft call would read (history +
