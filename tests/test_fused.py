@@ -163,8 +163,8 @@ def compile_with(backend):
     """torch.compile as LayerOps calls it, with another backend (Dynamo's tracing is real)."""
     compile_for_real = torch.compile
 
-    def compile(fn, *, dynamic, fullgraph, options):
-        return compile_for_real(fn, backend=backend, dynamic=dynamic, fullgraph=fullgraph)
+    def compile(fn, *, fullgraph, options):
+        return compile_for_real(fn, backend=backend, fullgraph=fullgraph)
 
     return compile
 
@@ -187,11 +187,12 @@ def test_a_failing_compile_falls_back_to_eager_with_one_warning(monkeypatch, fai
 
 
 def test_more_shapes_than_dynamos_recompile_limit_stay_compiled(monkeypatch):
-    """Dynamo allows a function 8 compiled entries; a LayerOps compiles each shape apart."""
+    """Dynamo allows a function 8 compiled entries; after a second row count a part's row
+    count is a variable, so any number of row counts stays within them."""
     monkeypatch.setattr(torch, "compile", compile_with("eager"))
     ops = LayerOps(4, 2, EPS, CPU, compiled=True)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         for rows in range(1, 11):
             ops.silu_mul(torch.ones(rows, 8))
-    assert ops.compiled and len(ops._kernels) == 10
+    assert ops.compiled and len(ops._kernels) == 1

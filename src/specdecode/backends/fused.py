@@ -7,17 +7,18 @@ even replayed from a CUDA graph, and together they outweigh the layer's reading 
 `LayerOps` runs each part as one kernel, compiled by Inductor (one Triton kernel on a GPU, one
 C++ loop on a CPU), or eagerly with `native`'s very functions.
 
-Compiled kernels and CUDA graphs: the kernels are compiled with `dynamic=False` and
-`fullgraph=True` and without `mode="reduce-overhead"`: they make no host synchronisation and no
-graph of their own, so a caller captures them inside its own `torch.cuda.graph`. Each part is
-compiled on its first call with each new shape, which takes seconds: run each shape once before
-capturing it (graph passes warm up before they capture), and use an eager `LayerOps` where row
-counts are not bounded (long eager passes). Every `LayerOps` and shape gets a compiled function
-of its own, so no number of models or row counts reaches Dynamo's recompile limit (8 entries a
-function), past which a `fullgraph` function raises.
+Compiled kernels and CUDA graphs: the kernels are compiled with `fullgraph=True` and without
+`mode="reduce-overhead"`: they make no host synchronisation and no graph of their own, so a
+caller captures them inside its own `torch.cuda.graph`. A part is compiled on its first call
+(seconds) for that call's row count, and once more on the first call with another row count,
+then with the row count as a variable (Dynamo's automatic dynamic shapes): two kernels a part
+serve every row count, where one per count would cost seconds for each new bucket of rows. Run
+each shape once before capturing it (graph passes warm up before they capture). Every
+`LayerOps` compiles functions of its own, so no number of models reaches Dynamo's recompile
+limit (8 entries a function), past which a `fullgraph` function raises.
 
 Exactness. With the shapes of a pass fixed (graph passes in fixed mode: every pass the same
-rows), every pass runs the same compiled kernels, and a row gets the same bits in every pass
+rows), every pass runs the same compiled kernel, and a row gets the same bits in every pass
 whatever the other rows hold (each kernel works row by row), and their blocking is chosen by
 rule, not by timing, so it does not change from run to run either (see `COMPILE_OPTIONS`). A
 compiled reduction (the norm's sum of squares) may still add up in another order than eager's,
@@ -82,7 +83,7 @@ class LayerOps:
         self.kv_heads = kv_heads
         self.eps = eps
         self.compiled = torch.device(device).type == "cuda" if compiled is None else compiled
-        self._kernels: dict[tuple[types.FunctionType, torch.Size], Callable[..., Any]] = {}
+        self._kernels: dict[types.FunctionType, Callable[..., Any]] = {}
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """RMSNorm of x [n, hidden] (in float32, as `native` does), in x's dtype."""
@@ -112,11 +113,10 @@ class LayerOps:
         if not self.compiled:
             return fn(*args)
         try:
-            key = (fn, args[0].shape)
-            kernel = self._kernels.get(key)
+            kernel = self._kernels.get(fn)
             if kernel is None:
-                kernel = torch.compile(_own_copy(fn), dynamic=False, fullgraph=True, options=COMPILE_OPTIONS)
-                self._kernels[key] = kernel
+                kernel = torch.compile(_own_copy(fn), fullgraph=True, options=COMPILE_OPTIONS)
+                self._kernels[fn] = kernel
         except Exception as error:  # torch.compile refused outright (platform, Python version)
             return self._fall_back(error, fn, args)
         try:
