@@ -80,6 +80,9 @@ def test_a_quick_cpu_run_writes_every_section(tmp_path):
     assert all(
         value == 0.0 for row in exactness["rounding"] for value in row.values() if isinstance(value, float)
     )
+    # Rows reduced where the pass ran sample as the whole rows do, under every setting.
+    assert len(exactness["reduction"]) == 4
+    assert all(row["identical"] == row["rows"] > 0 for row in exactness["reduction"]), exactness["reduction"]
     drafted = {row["case"]: 0 for row in exactness["rows"]}
     for row in exactness["rows"]:
         drafted[row["case"]] += row["drafted"]

@@ -123,6 +123,11 @@ def goals(run: Run) -> None:
         add_goal(run, f"bundled {dtype}", mode, goal, numbers, not bad)
     if not greedy:
         add_goal(run, "bundled", "-", goal, None, None)
+    reduced = sections.get("exactness", {}).get("reduction", [])
+    rows, identical = sum(row["rows"] for row in reduced), sum(row["identical"] for row in reduced)
+    numbers = f"{identical}/{rows} rows identical" if reduced else None
+    goal = "rows reduced on the device sample as the host's whole rows"
+    add_goal(run, "all", "-", goal, numbers, identical == rows if reduced else None)
 
 
 EXPLAINED = ("exact", "within rounding")

@@ -24,11 +24,12 @@ from specdecode.compare.gpu_setup import (
     SEED,
     TOLERANCE,
     TREE_BRANCHES,
+    VERIFY_ROWS,
     release,
 )
 from specdecode.defaults import bundled_pair
 from specdecode.generate import GenerationConfig
-from specdecode.sampling import SamplingParams
+from specdecode.sampling import SamplingParams, candidates, reduce_rows
 from specdecode.strategies import DraftModelConfig
 
 
@@ -48,6 +49,36 @@ def exactness(run: Run) -> None:
                 run.report.attempt("exactness", f"{name} {mode}", exactness_mode, run, *pair, tokenizer, mode)
     del pairs
     release()
+    run.report.attempt("exactness", "rows reduced on the device", reduction, run)
+
+
+# Sampling settings the device reduction is checked under: greedy, llama.cpp's defaults, narrow
+# candidate sets, and a logit bias (a token pushed up, one banned).
+REDUCTION_SETTINGS = {
+    "greedy": SamplingParams(temperature=0.0),
+    "defaults at 0.8": SamplingParams(temperature=0.8),
+    "top-k 5, top-p 0.5": SamplingParams(temperature=1.5, top_k=5, top_p=0.5, min_p=0.0),
+    "bias": SamplingParams(temperature=0.8, logit_bias={7: 4.0, 11: float("-inf")}),
+}
+REDUCTION_PASSES = 20  # random passes of VERIFY_ROWS rows per setting
+REDUCTION_VOCAB = 128_256  # Llama 3's vocabulary
+
+
+def reduction(run: Run) -> None:
+    """Rows reduced where the pass ran (`reduce_rows`: the argmax or the top-k on the device)
+    against the whole rows on the host: the candidates and probabilities each gives the
+    sampler, bit for bit, over random rows whose bfloat16 values tie often."""
+    generator = torch.Generator().manual_seed(SEED)
+    for name, params in REDUCTION_SETTINGS.items():
+        rows = identical = 0
+        for _ in range(REDUCTION_PASSES):
+            logits = (3 * torch.randn(VERIFY_ROWS, REDUCTION_VOCAB, generator=generator)).bfloat16().float()
+            reduced = reduce_rows(logits.to(run.device), params)
+            for row, host in zip(reduced, logits, strict=True):
+                got, want = candidates(row, params, []), candidates(host, params, [])
+                identical += torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+                rows += 1
+        run.report.add("exactness", {"sampling": name, "rows": rows, "identical": identical}, "reduction")
 
 
 def load_pair(run: Run, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedModel]:

@@ -143,6 +143,8 @@ CAPTIONS = {
     "accept decisions and emitted ids from the trace (replayed tokens/pass must equal the recorded); "
     "x ours plain and x strongest baseline against batch-1 decode tokens/s; predicted: the cost model's",
     ("replay", "batches"): "replayed traces sharing each pass, tokens/s of them all",
+    ("exactness", "reduction"): "rows reduced on the device (argmax or top-k) against the whole rows on the "
+    "host: rows whose candidates and probabilities are identical, bit for bit (random bfloat16 rows)",
     ("prefill", "rows"): "time to the first token of one long prompt of random ids (prompt tokens: its "
     "length), on an empty cache each run: median of the runs after a warm-up (which grows the cache and "
     "captures the passes), range min–max; ours in a backend whose context holds the prompt",
