@@ -212,7 +212,7 @@ class GraphPasses:
         ids = self._to_device(torch.tensor([row[ID] for row in table], dtype=torch.long))
         began = self._begin_timing()
         with sdpa_kernel(NO_CUDNN):
-            x, captured = self._layers(
+            h, captured = self._layers(
                 ids,
                 self.cos[start : start + n],
                 self.sin[start : start + n],
@@ -220,7 +220,7 @@ class GraphPasses:
                 recorded,
                 self.eager_ops,
             )
-            logits = self.weights.lm_head(x[n - keep :])
+            logits = self.weights.lm_head(h[n - keep :])
         self._end_timing(began)
         return logits, captured
 
@@ -567,6 +567,7 @@ class GraphBackend(NativeBackend):
         last evaluated one stay on the device for the next call."""
         evaluated = steps if evaluate_last else steps - 1
         check_cache_room(self.name, len(self._tokens), evaluated, self.n_ctx)
+        self._use_threads()
         self._drop_tree()
         start = len(self._tokens)
         self.passes.reserve(start + evaluated)
