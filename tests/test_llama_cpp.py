@@ -29,7 +29,7 @@ from specdecode import DraftModelConfig, GenerationConfig, Pipeline, SamplingPar
 from specdecode.backends.hf import LoadOptions
 from specdecode.backends.llama_cpp import LlamaCppBackend
 from specdecode.backends.llama_lib import TILED_SWITCH
-from specdecode.backends.llama_model import MAX_SEQUENCES
+from specdecode.backends.llama_model import MAX_SEQUENCES, LlamaContext, LlamaModel
 from specdecode.backends.llama_probe import PROBE_PASSES, WIDE_PASSES
 from specdecode.backends.load import load_backend
 from specdecode.cli import main
@@ -573,3 +573,14 @@ def test_a_llama_cpp_target_alone_generates_plainly_without_running_the_row_prob
     assert target.model.probe is None  # not probed to decide
     asked = Pipeline(target, spec_types=["ngram-mod"], spec_policy="adaptive")
     assert asked.spec_types == ["ngram-mod"]
+
+
+def test_a_model_outlives_its_contexts_whatever_order_they_are_collected_in(gguf_files):
+    """Garbage in a reference cycle is finalized in no set order: a model finalized before its
+    context keeps its weights until that context is freed (llama_free reads them)."""
+    model = LlamaModel(gguf_files["target.gguf"], gpu_layers=0)
+    context = LlamaContext(model, "target", 64, 8, 1)
+    model.__del__()  # the collector reaches the model first
+    assert model.pointer is not None and model.contexts == 1
+    context.__del__()
+    assert model.pointer is None and model.contexts == 0

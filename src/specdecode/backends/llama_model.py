@@ -57,6 +57,8 @@ class LlamaModel:
         if not self.pointer:
             raise SpecdecodeError(f"llama.cpp cannot load {path} (not a model file it knows)")
         self.vocab = llama_cpp.llama_model_get_vocab(self.pointer)
+        self.contexts = 0  # live contexts made from it: the model is freed after the last
+        self.unused = False  # nothing holds it but its contexts (its __del__ has run)
         self.path = path
         self.progress = progress
         self._tokenizer = None
@@ -80,7 +82,14 @@ class LlamaModel:
         return self._tokenizer
 
     def __del__(self) -> None:
-        if getattr(self, "pointer", None) and llama_cpp is not None:
+        self.unused = True
+        self.free_if_unused()
+
+    def free_if_unused(self) -> None:
+        """Free the weights once the model is unused and its last context is freed: a context
+        freed after its model reads freed memory, and garbage in a reference cycle is finalized
+        in no set order (a context's reference to its model does not order them)."""
+        if self.unused and not self.contexts and getattr(self, "pointer", None) and llama_cpp is not None:
             llama_cpp.llama_model_free(self.pointer)
             self.pointer = None
 
@@ -117,6 +126,8 @@ class LlamaContext:
         self.pointer = llama_cpp.llama_init_from_model(model.pointer, params)
         if not self.pointer:
             raise SpecdecodeError(f"{name}: llama.cpp could not create a context of {params.n_ctx} tokens")
+        self.model = model
+        model.contexts += 1
         self.memory = llama_cpp.llama_get_memory(self.pointer)
         # what the user may fill: llama.cpp rounds the cells up (to a multiple of 256)
         self.n_ctx_seq = min(int(llama_cpp.llama_n_ctx_seq(self.pointer)) - spare, n_ctx)
@@ -128,3 +139,5 @@ class LlamaContext:
             llama_cpp.llama_batch_free(self.batch)
             llama_cpp.llama_free(self.pointer)
             self.pointer = None
+            self.model.contexts -= 1
+            self.model.free_if_unused()
