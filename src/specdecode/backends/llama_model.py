@@ -37,6 +37,10 @@ class LlamaModel:
     up to 7 rows; without it, in passes of every probed size (it serves passes of 8 rows and
     more, a long prompt's chunks among them)."""
 
+    # Class defaults, so that a model whose loading failed is finalized without them.
+    contexts = 0  # live contexts made from it: the model is freed after the last
+    unused = False  # nothing holds it but its contexts (its __del__ has run)
+
     def __init__(
         self, path: Path, gpu_layers: int, repack: bool = True, progress: Callable[[str], None] | None = None
     ) -> None:
@@ -57,8 +61,6 @@ class LlamaModel:
         if not self.pointer:
             raise SpecdecodeError(f"llama.cpp cannot load {path} (not a model file it knows)")
         self.vocab = llama_cpp.llama_model_get_vocab(self.pointer)
-        self.contexts = 0  # live contexts made from it: the model is freed after the last
-        self.unused = False  # nothing holds it but its contexts (its __del__ has run)
         self.path = path
         self.progress = progress
         self._tokenizer = None
