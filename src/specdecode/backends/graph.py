@@ -73,6 +73,8 @@ from specdecode.backends.graph_attention import (
     Layout,
     OwnAttention,
     SeatAttention,
+    StaticInputs,
+    capture,
 )
 from specdecode.backends.graph_draft import CapturedSteps, greedy_steps
 from specdecode.backends.hidden import HiddenRows
@@ -101,25 +103,14 @@ class GraphRows:
         return len(self.table)
 
 
+@dataclass
 class _Graph:
-    """One captured pass: its static inputs on the device, the pinned buffer they are copied
-    from (and the event of that copy), its logits and recorded states."""
+    """One captured pass: its static inputs, its logits and recorded states."""
 
-    def __init__(self, layout: Layout, device: torch.device) -> None:
-        self.inputs = torch.zeros(layout.size, dtype=torch.long, device=device)
-        self.staging = torch.empty(layout.size, dtype=torch.long, pin_memory=True)
-        self.copied = torch.cuda.Event()
-        self.graph = torch.cuda.CUDAGraph()
-        self.logits: torch.Tensor | None = None
-        self.captured: list[torch.Tensor] = []
-
-    def load(self, inputs: torch.Tensor) -> None:
-        """The pass's inputs to the device without blocking the host: the pinned buffer is
-        refilled only once its previous copy has finished."""
-        self.copied.synchronize()
-        self.staging.copy_(inputs)
-        self.inputs.copy_(self.staging, non_blocking=True)
-        self.copied.record()
+    inputs: StaticInputs
+    graph: torch.cuda.CUDAGraph
+    logits: torch.Tensor
+    captured: list[torch.Tensor]
 
 
 class GraphPasses:
@@ -292,9 +283,8 @@ class GraphPasses:
                 logits, captured = self._compute(self._to_device(inputs), layout, recorded)
         else:
             graph = self._graph(layout, recorded)
-            graph.load(inputs)
+            graph.inputs.load(inputs)
             graph.graph.replay()
-            assert graph.logits is not None
             # the outputs live in the shared pool, which the next replay of any graph may reuse
             logits, captured = graph.logits.clone(), [state.clone() for state in graph.captured]
         self._end_timing(began)
@@ -339,17 +329,13 @@ class GraphPasses:
         one view), in the pool all graphs share: outputs are copied out after each replay."""
         key = (layout, recorded)
         if key not in self.graphs:
-            graph = _Graph(layout, self.device)
-            graph.inputs.copy_(self._inputs([], layout, []))  # warm-up and capture touch only scratch
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream), sdpa_kernel(NO_CUDNN):
-                for _ in range(2):
-                    self._compute(graph.inputs, layout, recorded)
-            torch.cuda.current_stream().wait_stream(stream)
-            with torch.cuda.graph(graph.graph, pool=self.pool), sdpa_kernel(NO_CUDNN):
-                graph.logits, graph.captured = self._compute(graph.inputs, layout, recorded)
-            self.graphs[key] = graph
+            # warm-up and capture touch only scratch slots
+            inputs = self._inputs([], layout, []).to(self.device)
+            kernels = partial(sdpa_kernel, NO_CUDNN)
+            graph, (logits, captured) = capture(
+                partial(self._compute, inputs, layout, recorded), self.pool, kernels
+            )
+            self.graphs[key] = _Graph(StaticInputs(inputs), graph, logits, captured)
         return self.graphs[key]
 
     # --- the forward -----------------------------------------------------------------------

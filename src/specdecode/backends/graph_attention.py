@@ -9,11 +9,17 @@ it may see.
 - A prefill (a prompt chunk of one sequence) attends over its own seat up to its last row,
   laid out [KV heads, group, rows, D] against the keys expanded over the group (a view), with
   a causal mask of [rows, slots] or none.
+
+A pass's inputs (its row table and the rows' places, `Layout`) reach a captured graph through
+`StaticInputs`; `capture` captures one.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +30,8 @@ ID, POSITION, SLOT, LO, HI = range(5)
 FIRST_ANCESTOR = 5
 # Attention under a mask goes to cuDNN first, which plans anew for every new shape.
 NO_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -61,6 +69,40 @@ class Layout:
 
     def table(self, inputs: torch.Tensor) -> torch.Tensor:
         return inputs[: self.rows * self.width].view(self.rows, self.width)
+
+
+class StaticInputs:
+    """A captured graph's inputs on the device, filled from a pinned host buffer without
+    blocking the host; the buffer is refilled only once its previous copy has finished."""
+
+    def __init__(self, device_tensor: torch.Tensor) -> None:
+        self.tensor = device_tensor
+        self.staging = torch.empty(device_tensor.shape, dtype=device_tensor.dtype, pin_memory=True)
+        self.copied = torch.cuda.Event()
+
+    def load(self, host: torch.Tensor) -> None:
+        self.copied.synchronize()
+        self.staging.copy_(host)
+        self.tensor.copy_(self.staging, non_blocking=True)
+        self.copied.record()
+
+
+def capture(
+    run: Callable[[], T], pool: tuple[int, int] | None, kernels: Callable[[], AbstractContextManager]
+) -> tuple[torch.cuda.CUDAGraph, T]:
+    """run() captured as one CUDA graph in the memory pool `pool`, with its outputs, under the
+    attention kernels' context `kernels()`: warmed up twice on a side stream first (kernels
+    compiled, workspaces allocated), as capture requires."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), kernels():
+        for _ in range(2):
+            run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool), kernels():
+        outputs = run()
+    return graph, outputs
 
 
 class SeatAttention:

@@ -16,8 +16,12 @@ which is why calls are short (`DEVICE_DRAFT_STEPS`).
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
+from functools import partial
 
 import torch
+
+from specdecode.backends.graph_attention import StaticInputs, capture
 
 DEVICE_DRAFT_STEPS = 4  # steps a call runs at most: a cut wastes at most 3 passes of the drafter
 
@@ -47,8 +51,8 @@ def greedy_steps(
 
 
 class CapturedSteps:
-    """`greedy_steps` of one shape captured as one CUDA graph over static buffers (warmed up
-    twice on a side stream first, as graph passes are), in the graph passes' shared pool."""
+    """`greedy_steps` of one shape captured as one CUDA graph over static buffers, in the graph
+    passes' shared pool (`graph_attention.capture`)."""
 
     def __init__(
         self,
@@ -58,24 +62,16 @@ class CapturedSteps:
         forward: Forward,
         top_k: int,
         pool: tuple[int, int] | None,
-        context: Callable[[], object],
+        kernels: Callable[[], AbstractContextManager],
     ) -> None:
         """logits, inputs: a call's (their shapes and a harmless content for the warm-up: the
-        passes' inputs write only scratch slots until replayed with real ones); context: the
-        attention kernels' context manager, entered around warm-up and capture."""
+        passes' inputs write only scratch slots until replayed with real ones); kernels: the
+        attention kernels' context, entered around warm-up and capture."""
         self.logits = logits.clone()
-        self.inputs = inputs.clone()
-        self.staging = torch.empty(inputs.shape, dtype=inputs.dtype, pin_memory=True)
-        self.copied = torch.cuda.Event()
-        self.graph = torch.cuda.CUDAGraph()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream), context():  # type: ignore[attr-defined]
-            for _ in range(2):
-                greedy_steps(self.logits, self.inputs.clone(), steps, forward, top_k)
-        torch.cuda.current_stream().wait_stream(stream)
-        with torch.cuda.graph(self.graph, pool=pool), context():  # type: ignore[attr-defined]
-            self.outputs = greedy_steps(self.logits, self.inputs, steps, forward, top_k)
+        self.inputs = StaticInputs(inputs.clone())
+        self.graph, self.outputs = capture(
+            partial(greedy_steps, self.logits, self.inputs.tensor, steps, forward, top_k), pool, kernels
+        )
 
     def __call__(
         self, logits: torch.Tensor, inputs: torch.Tensor
@@ -83,9 +79,6 @@ class CapturedSteps:
         """Replay on these logits (device) and inputs (host): the outputs, copied out of the
         shared pool, which the next replay of any graph may reuse."""
         self.logits.copy_(logits)
-        self.copied.synchronize()  # the pinned buffer's previous copy has finished
-        self.staging.copy_(inputs)
-        self.inputs.copy_(self.staging, non_blocking=True)
-        self.copied.record()
+        self.inputs.load(inputs)
         self.graph.replay()
         return tuple(output.clone() for output in self.outputs)  # type: ignore[return-value]
