@@ -163,13 +163,19 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
+def uncached_tail(backend: Backend, ids: Sequence[int]) -> Sequence[int]:
+    """Cut the cache to the longest prefix of `ids` it holds and return the rest, which the
+    caller evaluates (at least the last id, whose logits the caller needs)."""
+    assert len(ids) > 0, "need at least one token"
+    keep = min(common_prefix(backend.tokens, ids), len(ids) - 1)
+    backend.truncate(keep)
+    return ids[keep:]
+
+
 def evaluate_continuation(backend: Backend, ids: Sequence[int]) -> torch.Tensor:
     """Make the cache hold exactly `ids` and return the logits [V] after its last token.
 
     Reuses the longest cached prefix, so only tokens the backend has not seen are evaluated
     (the last one is re-evaluated when everything was cached, since its logits are needed).
     """
-    assert len(ids) > 0, "need at least one token"
-    keep = min(common_prefix(backend.tokens, ids), len(ids) - 1)
-    backend.truncate(keep)
-    return backend.evaluate(ids[keep:], logits_rows=1)[0]
+    return backend.evaluate(uncached_tail(backend, ids), logits_rows=1)[0]

@@ -222,8 +222,7 @@ class GraphPasses:
         (None: all) and the residual stream entering each `recorded` layer, for every row. The
         rows run in chunks of the mode's row count, each with the LM head on all its rows."""
         rows = len(table)
-        depth = max(len(row) for row in table) - FIRST_ANCESTOR
-        width = FIRST_ANCESTOR + max(depth, ANCESTOR_SLOTS if self.use_graphs else depth, 1)
+        width = self._width(max(len(row) for row in table) - FIRST_ANCESTOR)
         if self.fixed_rows is not None:
             chunk = self.fixed_rows
         elif rows <= MAX_GRAPH_ROWS:
@@ -248,8 +247,7 @@ class GraphPasses:
         evaluated token."""
         if not table:  # the token after `logits` alone: no pass
             return greedy_steps(logits, torch.empty(0, 1, dtype=torch.long), steps, None, top_k)
-        width = FIRST_ANCESTOR + (ANCESTOR_SLOTS if self.use_graphs else 1)
-        layout, place = self._layout(table[:1], self.fixed_rows or 1, width)
+        layout, place = self._layout(table[:1], self.fixed_rows or 1, self._width(0))
         inputs = torch.stack([self._inputs([row], layout, place) for row in table])
 
         def forward(pass_inputs: torch.Tensor) -> torch.Tensor:
@@ -269,6 +267,11 @@ class GraphPasses:
                 out = greedy_steps(logits, self._to_device(inputs), steps, forward, top_k)
         self._end_timing(began)
         return out
+
+    def _width(self, depth: int) -> int:
+        """Row table columns for tree paths of up to `depth` ancestors: in graphs every pass
+        has room for ANCESTOR_SLOTS (one graph for chains and shallow trees)."""
+        return FIRST_ANCESTOR + max(depth, ANCESTOR_SLOTS if self.use_graphs else depth, 1)
 
     def _run_chunk(
         self, table: list[list[int]], rows: int, width: int, recorded: tuple[int, ...]
@@ -555,10 +558,7 @@ class GraphBackend(NativeBackend):
         check_cache_room(self.name, len(self._tokens), evaluated, self.n_ctx)
         self._use_threads()
         self._drop_tree()
-        start = len(self._tokens)
-        self.passes.reserve(start + evaluated)
-        base = self.passes.base(self.seat)
-        table = [[0, start + i, base + start + i, base, base + start + i + 1] for i in range(evaluated)]
+        table = self._linear_rows([0] * evaluated).table  # the tokens are filled on the device
         tokens, confidences, last = self.passes.draft(logits, table, steps, top_k)
         host = torch.cat([tokens.to(torch.float64), confidences]).cpu()  # one copy back
         ids = [int(token) for token in host[:steps]]

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from specdecode.backends import Backend, common_prefix, evaluate_continuation
+from specdecode.backends import Backend, common_prefix, evaluate_continuation, uncached_tail
 from specdecode.backends.batch import RowGroup, score_alone
 from specdecode.backends.graph_draft import DEVICE_DRAFT_STEPS
 from specdecode.config import DraftModelConfig
@@ -186,9 +186,8 @@ class DraftModelStrategy:
         runs only when the draft asks for its first token, and the last evaluates nothing past
         n_max."""
         backend = self.backend
-        keep = min(common_prefix(backend.tokens, context), len(context) - 1)
-        backend.truncate(keep)
-        logits = score_alone(RowGroup(backend, context[keep:], logits_rows=1, on_device=True))[0]
+        tail = list(uncached_tail(backend, context))
+        logits = score_alone(RowGroup(backend, tail, logits_rows=1, on_device=True))[0]
         drafted = 0
         while drafted < n_max:
             steps = min(DEVICE_DRAFT_STEPS, n_max - drafted)
